@@ -1,0 +1,42 @@
+"""kvpatch: KV-cache compression for Hugging Face transformers that really frees memory.
+
+>>> import kvpatch
+>>> kvpatch.enable(model, "think+snapkv")
+>>> model.generate(**inputs)
+"""
+
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.patching import disable, enable, enabled, is_enabled
+from kvpatch.policies import (
+    TOVA,
+    AdaKV,
+    Knorm,
+    Policy,
+    RandomScorer,
+    SnapKV,
+    StreamingLLM,
+    ThinK,
+    parse_policy,
+    policy_names,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TOVA",
+    "AdaKV",
+    "CompressedDynamicCache",
+    "CompressedLayer",
+    "Knorm",
+    "Policy",
+    "RandomScorer",
+    "SnapKV",
+    "StreamingLLM",
+    "ThinK",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "parse_policy",
+    "policy_names",
+]

@@ -1,0 +1,231 @@
+"""The attention functions kvpatch registers with transformers: ``kvpatch_<backend>``.
+
+Each wraps the stock implementation of its backend (sdpa, eager, flash_attention_2) and reads the
+description :mod:`kvpatch.cache` attaches to the keys:
+
+- no description (a plain cache, a sliding layer): the stock function runs unchanged;
+- :class:`~kvpatch.cache.PrefillView`: the stock function attends over the full prefill, then the
+  layer is compressed with the policy;
+- :class:`~kvpatch.cache.CompressedView`: padding slots of short heads get fake keys, the logical
+  attention mask is translated to the physical layout, and the stock function runs on the view.
+  Where fake keys cannot be guaranteed (soft-capped logits, queries no hyperplane separates), the
+  padding slots are masked explicitly instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from kvpatch import compat
+from kvpatch.cache import CompressedView, PrefillView, view_of
+from kvpatch.fake_keys import fake_keys
+from kvpatch.policies import LayerInputs, Policy
+
+BACKENDS = ("sdpa", "eager", "flash_attention_2")
+PREFIX = "kvpatch_"
+
+# Policy of each attention module of an enabled model (weak, so a deleted model is forgotten).
+_module_policies: weakref.WeakKeyDictionary[torch.nn.Module, Policy | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def bind_policy(module: torch.nn.Module, policy: Policy | None) -> None:
+    _module_policies[module] = policy
+
+
+def unbind_policy(module: torch.nn.Module) -> None:
+    _module_policies.pop(module, None)
+
+
+def implementation_name(backend: str) -> str:
+    return PREFIX + backend
+
+
+def backend_of(implementation: str | None) -> str | None:
+    """The stock backend behind ``implementation`` (``sdpa`` for ``kvpatch_sdpa``), or None."""
+    if implementation in BACKENDS:
+        return implementation
+    if (
+        implementation
+        and implementation.startswith(PREFIX)
+        and implementation[len(PREFIX) :] in BACKENDS
+    ):
+        return implementation[len(PREFIX) :]
+    return None
+
+
+def register() -> None:
+    """Register ``kvpatch_<backend>`` for every backend (idempotent)."""
+    for backend in BACKENDS:
+        name = implementation_name(backend)
+        if not compat.is_registered(name):
+            compat.register_attention(name, _make_attention(backend), backend)
+
+
+def _make_attention(backend: str) -> Callable:
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return kvpatch_attention(backend, module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"kvpatch_{backend}_attention"
+    return attention
+
+
+def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwargs):
+    original = compat.original_attention(backend, module)
+    view = view_of(key)
+    if isinstance(view, PrefillView):
+        output = original(module, query, key, value, attention_mask, **kwargs)
+        _compress_prefill(view, module, query, key, value, attention_mask, kwargs)
+        return output
+    if isinstance(view, CompressedView):
+        return _attend_compressed(
+            backend, original, module, query, key, value, attention_mask, view, kwargs
+        )
+    return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    return float(scaling)
+
+
+def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -> None:
+    policy = view.policy if view.policy is not None else _module_policies.get(module)
+    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
+        policy = None  # a sliding layer already bounds its cache
+    inputs = LayerInputs(
+        queries=query,
+        keys=key,
+        values=value,
+        valid=valid_tokens(attention_mask, key),
+        scaling=_scaling(module, query, kwargs),
+        layer_idx=getattr(module, "layer_idx", 0) or 0,
+    )
+    view.layer.compress(policy, inputs)
+
+
+def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """Which prefill tokens are real (not padding), ``[batch, tokens]``, from any backend's mask."""
+    batch, _, tokens, _ = key.shape
+    if attention_mask is None:
+        return torch.ones(batch, tokens, dtype=torch.bool, device=key.device)
+    if attention_mask.dim() == 2:  # flash attention: the 2-D padding mask
+        return attention_mask[:, -tokens:].bool()
+    # 4-D mask: the last query of a causal prefill sees every real token
+    last_row = attention_mask[:, 0, -1, -tokens:]
+    if last_row.dtype == torch.bool:
+        return last_row.clone()
+    return last_row == 0
+
+
+def _attend_compressed(backend, original, module, query, key, value, attention_mask, view, kwargs):
+    batch, kv_heads, _, dim = key.shape
+    q_heads, q_len = query.shape[1], query.shape[2]
+    group = q_heads // kv_heads
+    slots = torch.arange(view.packed_length, device=key.device)
+    padding = slots >= view.lengths[..., None]  # [b, h, packed_length]
+    explicit = kwargs.get("softcap") is not None  # soft-capping bounds logits: no key can zero them
+    if view.has_padding_slots and not explicit:
+        grouped = query.reshape(batch, kv_heads, group * q_len, dim)
+        keys, ok = fake_keys(
+            grouped, view.key_norm_bound, _scaling(module, query, kwargs), key.dtype
+        )
+        packed = key[:, :, : view.packed_length]
+        packed.copy_(torch.where(padding[..., None], keys[:, :, None, :], packed))
+        explicit = not bool(ok.all())
+    head_padding = padding if (explicit and view.has_padding_slots) else None
+    if head_padding is not None and backend.startswith("flash"):
+        # flash kernels take no per-head mask: compute this rare case exactly with eager math
+        mask = physical_mask(attention_mask, view, query, key, head_padding, additive=True)
+        return reference_attention(
+            module, query, key, value, mask, _scaling(module, query, kwargs), kwargs
+        )
+    if backend.startswith("flash"):
+        mask = physical_padding_mask(attention_mask, view, key)
+    else:
+        mask = physical_mask(
+            attention_mask, view, query, key, head_padding, additive=backend == "eager"
+        )
+    return original(module, query, key, value, mask, **kwargs)
+
+
+def _tail_visibility(view: CompressedView, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Causal visibility of the tail columns for the current queries, ``[q_len, tail]``."""
+    tail = key.shape[-2] - view.packed_length
+    q_len = query.shape[2]
+    seen = view.tail_start + tail  # logical length, current queries included
+    query_pos = torch.arange(seen - q_len, seen, device=key.device)
+    key_pos = torch.arange(view.tail_start, seen, device=key.device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def physical_mask(
+    logical: torch.Tensor | None,
+    view: CompressedView,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_padding: torch.Tensor | None,
+    additive: bool,
+) -> torch.Tensor | None:
+    """Translate a logical 4-D mask (or None) to the view's columns.
+
+    Packed columns are visible (kept tokens are real and precede every query) except the padding
+    slots in ``head_padding``; tail columns take the logical mask's last columns.
+    """
+    if logical is None and head_padding is None:
+        return None
+    batch, q_heads, q_len, _ = query.shape
+    if logical is None:
+        tail = _tail_visibility(view, query, key)[None, None]
+    else:
+        tail = logical[..., view.tail_start :]
+        if tail.dtype != torch.bool:
+            tail = tail == 0
+    tail = tail.expand(batch, -1, q_len, -1)
+    if head_padding is None:
+        packed = tail.new_ones(batch, 1, q_len, view.packed_length)
+    else:
+        group = q_heads // head_padding.shape[1]
+        packed = (~head_padding).repeat_interleave(group, dim=1)[:, :, None, :]
+        packed = packed.expand(-1, -1, q_len, -1)
+        tail = tail.expand(-1, q_heads, -1, -1)
+    visible = torch.cat([packed, tail], dim=-1)
+    if not additive:
+        return visible
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(visible, zero, torch.finfo(query.dtype).min)
+
+
+def physical_padding_mask(
+    logical: torch.Tensor | None, view: CompressedView, key: torch.Tensor
+) -> torch.Tensor | None:
+    """Flash attention's 2-D padding mask for the view (None when nothing is padding)."""
+    if logical is None:
+        return None
+    tail = logical[:, view.tail_start :].bool()
+    if bool(tail.all()):
+        return None
+    packed = tail.new_ones(tail.shape[0], view.packed_length)
+    return torch.cat([packed, tail], dim=-1)
+
+
+def reference_attention(module, query, key, value, additive_mask, scaling, kwargs):
+    """Plain attention math with an additive mask; returns ``[batch, q_len, heads, dim]``."""
+    group = query.shape[1] // key.shape[1]
+    keys = key.repeat_interleave(group, dim=1).float()
+    values = value.repeat_interleave(group, dim=1).float()
+    scores = (query.float() @ keys.transpose(-1, -2)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if additive_mask is not None:
+        scores = scores + additive_mask.float()
+    weights = scores.softmax(dim=-1)
+    output = (weights @ values).to(query.dtype)
+    return output.transpose(1, 2).contiguous(), weights.to(query.dtype)

@@ -1,0 +1,302 @@
+"""A transformers cache that stores only what the policy keeps.
+
+:class:`CompressedLayer` is one full-attention layer. Its life:
+
+1. **prefill** — the first ``update`` stores the prompt's keys and values densely, like
+   ``DynamicLayer``, and returns them marked :class:`PrefillView`. The kvpatch attention function
+   computes the prefill's attention exactly, then calls :meth:`CompressedLayer.compress`.
+2. **compressed** — the prefill is replaced by a :class:`~kvpatch.packed.PackedKV` (variable-length
+   heads, channel-pruned keys) and a dense full-width *tail* (the policy's full-width window, then
+   every token appended later). ``update`` appends to the tail and returns a transient dense view of
+   the whole layer, marked :class:`CompressedView` so the attention function knows which slots are
+   padding and where the tail starts.
+
+Lengths are *logical* (tokens seen, which positions and masks follow) or *physical* (tokens held).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from kvpatch import compat
+from kvpatch.packed import PackedKV, storage_nbytes
+from kvpatch.policies import LayerInputs, Plan, Policy, parse_policy
+
+_VIEW_ATTRIBUTE = "_kvpatch_view"
+
+
+@dataclass
+class PrefillView:
+    """Marks the keys of a layer's first forward: compress after attending.
+
+    ``policy`` is the cache's own policy, which overrides the model's.
+    """
+
+    layer: CompressedLayer
+    policy: Policy | None = None
+
+
+@dataclass
+class CompressedView:
+    """Describes the dense view returned for a compressed layer.
+
+    Columns ``[0, packed_length)`` are the packed block: head ``(b, h)`` holds
+    ``lengths[b, h]`` real tokens there, the rest are padding slots. Columns from
+    ``packed_length`` on are the tail, whose first token has logical position ``tail_start``.
+    """
+
+    lengths: torch.Tensor
+    packed_length: int
+    tail_start: int
+    key_norm_bound: torch.Tensor  # [batch, kv_heads], largest norm of a held key
+
+    @property
+    def has_padding_slots(self) -> bool:
+        return bool((self.lengths < self.packed_length).any())
+
+
+def mark(keys: torch.Tensor, view: PrefillView | CompressedView) -> torch.Tensor:
+    setattr(keys, _VIEW_ATTRIBUTE, view)
+    return keys
+
+
+def view_of(keys: torch.Tensor) -> PrefillView | CompressedView | None:
+    """The kvpatch description attached to keys returned by a :class:`CompressedLayer`, if any."""
+    return getattr(keys, _VIEW_ATTRIBUTE, None)
+
+
+class CompressedLayer(DynamicLayer):
+    """One full-attention layer: dense until its prefill is compressed, packed afterwards.
+
+    While dense, ``keys``/``values`` hold everything like ``DynamicLayer``. Once compressed
+    they hold the full-width tail and :attr:`packed` holds the rest.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.packed: PackedKV | None = None
+        self.tail_start = 0
+        self.seen = 0
+        self.key_norm_bound: torch.Tensor | None = None
+        self.awaiting_compression = False
+        self.passthrough = False
+
+    # -- transformers' layer API ---------------------------------------------------------------
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = (value_states if value_states is not None else key_states)[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.awaiting_compression:
+            raise RuntimeError(
+                "CompressedDynamicCache was used by an attention implementation that does not "
+                "compress it. Call kvpatch.enable(model) before running the model with this cache."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first_forward = self.seen == 0
+        self.seen += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.packed is not None:
+            self._bound_key_norms(key_states)
+            return self._dense_view()
+        if first_forward and not self.passthrough:
+            self.awaiting_compression = True
+            return mark(self.keys, PrefillView(self)), self.values
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        return self.seen + compat.query_length(query), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        super().reset()
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        remove = compat.tokens_to_remove(tokens_to_remove, self.seen)
+        if remove == 0:
+            return
+        if self.packed is not None and remove > self.keys.shape[-2]:
+            raise ValueError(
+                f"cannot crop {remove} tokens: only the {self.keys.shape[-2]} tokens after the "
+                "compressed part of the cache can be removed"
+            )
+        self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+        self.values = self.values[..., : self.values.shape[-2] - remove, :]
+        self.seen -= remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+            self.batch_select_indices(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        indices = indices.to(self.keys.device)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.keys = self.keys[indices]
+        self.values = self.values[indices]
+        if self.packed is not None:
+            self.packed = self.packed.select_rows(indices)
+            self.key_norm_bound = self.key_norm_bound[indices]
+
+    def offload(self):
+        super().offload()
+        if self.packed is not None:
+            self.packed = self.packed.to("cpu")
+
+    def prefetch(self):
+        super().prefetch()
+        if self.packed is not None and self.packed.keys.device != self.device:
+            self.packed = self.packed.to(self.device)
+
+    # -- compression ---------------------------------------------------------------------------
+
+    def compress(self, policy: Policy | None, inputs: LayerInputs) -> None:
+        """Replace the prefill by what ``policy`` keeps (called once, right after the prefill)."""
+        self.awaiting_compression = False
+        if policy is None or inputs.num_tokens <= 1:
+            self.passthrough = True
+            return
+        plan = policy.plan(inputs)
+        _check_plan(plan, inputs)
+        self.packed = PackedKV.from_plan(self.keys, self.values, plan)
+        self.tail_start = plan.full_width_from
+        self.keys = self.keys[..., self.tail_start :, :].clone()
+        self.values = self.values[..., self.tail_start :, :].clone()
+        self.key_norm_bound = torch.zeros(self.packed.lengths.shape, device=self.device)
+        self._bound_key_norms(self.packed.dense()[0])
+        self._bound_key_norms(self.keys)
+
+    def _bound_key_norms(self, keys: torch.Tensor) -> None:
+        if keys.shape[-2]:
+            norms = keys.float().norm(dim=-1).amax(dim=-1)
+            self.key_norm_bound = torch.maximum(self.key_norm_bound, norms)
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        packed_keys, packed_values = self.packed.dense()
+        view = CompressedView(
+            lengths=self.packed.lengths,
+            packed_length=packed_keys.shape[-2],
+            tail_start=self.tail_start,
+            key_norm_bound=self.key_norm_bound,
+        )
+        keys = torch.cat([packed_keys, self.keys], dim=-2)
+        values = torch.cat([packed_values, self.values], dim=-2)
+        return mark(keys, view), values
+
+    # -- what is held --------------------------------------------------------------------------
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.packed is not None
+
+    def physical_lengths(self) -> torch.Tensor | None:
+        """Tokens held per (batch row, KV head), or None before the first update."""
+        if not self.is_initialized:
+            return None
+        b, h, tail, _ = self.keys.shape
+        held = torch.full((b, h), tail, dtype=torch.long, device=self.keys.device)
+        return held if self.packed is None else held + self.packed.lengths
+
+    def kept_positions(self, row: int, head: int) -> torch.Tensor:
+        """Logical positions of the tokens held by one head, in order."""
+        tail = torch.arange(self.tail_start, self.seen, device=self.keys.device)
+        if self.packed is None:
+            return torch.arange(self.seen, device=self.keys.device)
+        return torch.cat([self.packed.kept[row, head].nonzero().flatten(), tail])
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this layer holds (their storages, not views)."""
+        if not self.is_initialized:
+            return 0
+        held = storage_nbytes(self.keys, self.values)
+        return held if self.packed is None else held + self.packed.nbytes()
+
+
+def _check_plan(plan: Plan, inputs: LayerInputs) -> None:
+    b, h, t, _ = inputs.keys.shape
+    if plan.keep.shape != (b, h, t) or plan.keep.dtype != torch.bool:
+        raise ValueError(
+            f"a plan's keep mask must be bool [{b}, {h}, {t}], got {tuple(plan.keep.shape)}"
+        )
+    if not 0 <= plan.full_width_from <= t:
+        raise ValueError(f"full_width_from must be in [0, {t}], got {plan.full_width_from}")
+    if (plan.keep & ~inputs.valid[:, None, :]).any():
+        raise ValueError("a plan must not keep padding tokens")
+
+
+class CompressedDynamicCache(DynamicCache):
+    """A ``DynamicCache`` whose full-attention layers are compressed after the prefill.
+
+    Parameters
+    ----------
+    config : PretrainedConfig, optional
+        The model's config; sliding-window layers found there stay uncompressed ``DynamicCache``
+        layers. Without it every layer is a :class:`CompressedLayer`.
+    policy : str or Policy, optional
+        What to keep; overrides the policy given to :func:`kvpatch.enable`. Without either, nothing
+        is compressed.
+    """
+
+    def __init__(self, config=None, policy: str | Policy | None = None, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.policy = parse_policy(policy)
+        if self.layer_class_to_replicate is not None:
+            self.layer_class_to_replicate = CompressedLayer
+        self.layers = [
+            CompressedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers
+        ]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        view = view_of(keys)
+        if isinstance(view, PrefillView):
+            view.policy = self.policy
+        return keys, values
+
+    @property
+    def compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer's tensors (their storages), compressed or not."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += storage_nbytes(layer.keys, layer.values)
+        return total
+
+    def physical_lengths(self) -> list[torch.Tensor | None]:
+        """Per layer, the tokens held by each (batch row, KV head); None for other layer kinds."""
+        return [
+            layer.physical_lengths() if isinstance(layer, CompressedLayer) else None
+            for layer in self.layers
+        ]

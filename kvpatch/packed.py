@@ -1,0 +1,130 @@
+"""Packed storage of the compressed part of one layer's cache.
+
+Every (batch row, KV head) keeps its own number of tokens. Their keys and values are stored
+back to back in row-major (row, head, position) order, with no padding; keys hold only the
+kept channels of their head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from kvpatch.policies.base import Plan
+
+
+def storage_nbytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class PackedKV:
+    """Variable-length, channel-pruned keys and values of one layer.
+
+    Attributes
+    ----------
+    keys : ``[total_kept, kept_channels]``
+    values : ``[total_kept, v_head_dim]``
+    lengths : long ``[batch, kv_heads]``, tokens held by each head
+    channels : long ``[batch, kv_heads, kept_channels]`` or None when every channel is kept
+    kept : bool ``[batch, kv_heads, positions]``, which of the compressed positions each head holds
+    head_dim : full key width, to re-insert pruned channels
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: torch.Tensor
+    channels: torch.Tensor | None
+    kept: torch.Tensor
+    head_dim: int
+
+    @classmethod
+    def from_plan(cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan) -> PackedKV:
+        """Pack the tokens before ``plan.full_width_from`` that ``plan.keep`` keeps."""
+        b, h, _, d = keys.shape
+        end = plan.full_width_from
+        kept = plan.keep[..., :end].contiguous()
+        keys = keys[..., :end, :]
+        if plan.channels is not None:
+            index = plan.channels[:, :, None, :].expand(b, h, end, plan.channels.shape[-1])
+            keys = keys.gather(-1, index)
+        return cls(
+            keys=keys[kept],
+            values=values[..., :end, :][kept],
+            lengths=kept.sum(-1),
+            channels=plan.channels,
+            kept=kept,
+            head_dim=d,
+        )
+
+    @cached_property
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    @cached_property
+    def is_uniform(self) -> bool:
+        """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
+        return bool((self.lengths == self.lengths.flatten()[0]).all())
+
+    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """Lay ``flat`` rows out as ``[batch, kv_heads, max_length, dim]``, zero after each head."""
+        b, h = self.lengths.shape
+        length, dim = self.max_length, flat.shape[-1]
+        if self.is_uniform:
+            return flat.view(b, h, length, dim)
+        counts = self.lengths.flatten()
+        head = torch.repeat_interleave(torch.arange(b * h, device=flat.device), counts)
+        starts = counts.cumsum(0) - counts
+        slot = torch.arange(flat.shape[0], device=flat.device) - starts[head]
+        out = flat.new_zeros(b * h * length, dim)
+        out.index_copy_(0, head * length + slot, flat)
+        return out.view(b, h, length, dim)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys at full width (pruned channels as zeros) and values, padded per head with zeros."""
+        keys = self._padded(self.keys)
+        if self.channels is not None:
+            b, h, length, kept = keys.shape
+            full = keys.new_zeros(b, h, length, self.head_dim)
+            index = self.channels[:, :, None, :].expand(b, h, length, kept)
+            keys = full.scatter_(-1, index, keys)
+        return keys, self._padded(self.values)
+
+    def select_rows(self, rows: torch.Tensor) -> PackedKV:
+        """The same storage for batch rows ``rows`` (reordered, repeated or a subset)."""
+        rows = rows.to(self.lengths.device)
+        per_row = self.lengths.sum(-1)
+        starts = per_row.cumsum(0) - per_row
+        counts = per_row[rows]
+        offset = torch.repeat_interleave(starts[rows] - (counts.cumsum(0) - counts), counts)
+        index = torch.arange(int(counts.sum()), device=rows.device) + offset
+        return PackedKV(
+            keys=self.keys[index],
+            values=self.values[index],
+            lengths=self.lengths[rows],
+            channels=None if self.channels is None else self.channels[rows],
+            kept=self.kept[rows],
+            head_dim=self.head_dim,
+        )
+
+    def nbytes(self) -> int:
+        return storage_nbytes(self.keys, self.values, self.lengths, self.channels, self.kept)
+
+    def to(self, device: torch.device | str) -> PackedKV:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return PackedKV(
+            move(self.keys),
+            move(self.values),
+            move(self.lengths),
+            move(self.channels),
+            move(self.kept),
+            self.head_dim,
+        )

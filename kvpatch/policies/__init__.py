@@ -1,0 +1,111 @@
+"""Compression policies: what each layer keeps.
+
+A policy is given as an object (``SnapKV(ratio=0.5, window=32)``) or as a string in the grammar
+``term ("+" term)*`` with ``term = NAME [":" RATIO]``, RATIO being the fraction removed
+(default 0.5):
+``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from kvpatch.policies.adakv import AdaKV
+from kvpatch.policies.base import (
+    ChannelSelector,
+    LayerInputs,
+    Plan,
+    Policy,
+    TokenScorer,
+    check_ratio,
+)
+from kvpatch.policies.compose import Composed, compose
+from kvpatch.policies.knorm import Knorm
+from kvpatch.policies.random import RandomScorer
+from kvpatch.policies.snapkv import SnapKV
+from kvpatch.policies.streamingllm import StreamingLLM
+from kvpatch.policies.think import ThinK
+from kvpatch.policies.tova import TOVA
+
+#: token scorers by name; each also exists as ``ada-<name>``
+TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
+    cls.name: cls for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer)
+}
+#: channel selectors by name
+CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
+
+DEFAULT_RATIO = 0.5
+
+
+def policy_names() -> list[str]:
+    """Every name the policy grammar accepts."""
+    scorers = list(TOKEN_SCORERS)
+    return [*scorers, *(f"ada-{n}" for n in scorers), *CHANNEL_SELECTORS]
+
+
+def _parse_term(term: str) -> Policy:
+    name, sep, ratio_text = term.strip().partition(":")
+    name = name.strip().lower()
+    ratio = DEFAULT_RATIO
+    if sep:
+        try:
+            ratio = float(ratio_text)
+        except ValueError:
+            raise ValueError(
+                f"bad ratio {ratio_text.strip()!r} in policy term {term.strip()!r}: "
+                "expected a number in [0, 1), the fraction removed"
+            ) from None
+        check_ratio(ratio, name=f"ratio of {name!r}")
+    if name in TOKEN_SCORERS:
+        return TOKEN_SCORERS[name](ratio=ratio)
+    if name.startswith("ada-") and name[4:] in TOKEN_SCORERS:
+        return AdaKV(TOKEN_SCORERS[name[4:]](ratio=ratio))
+    if name in CHANNEL_SELECTORS:
+        return CHANNEL_SELECTORS[name](ratio=ratio)
+    valid = policy_names()
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown policy {name!r}.{hint} Valid names: {', '.join(valid)}")
+
+
+def parse_policy(spec: str | Policy | None) -> Policy | None:
+    """Turn a policy string (or object, or None) into a :class:`Policy`."""
+    if spec is None or isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a policy is a string or a Policy object, got {type(spec).__name__}")
+    terms = spec.split("+")
+    if any(not t.strip() for t in terms):
+        raise ValueError(
+            f"empty term in policy {spec!r}: expected NAME[:RATIO] terms joined by '+', "
+            f"e.g. 'think:0.5+snapkv:0.5'"
+        )
+    policies = [_parse_term(t) for t in terms]
+    if len(policies) == 1:
+        return policies[0]
+    if len(policies) > 2:
+        raise ValueError(
+            f"policy {spec!r} has {len(policies)} terms; at most two combine: "
+            "one channel policy (think) and one token policy"
+        )
+    return compose(*policies)
+
+
+__all__ = [
+    "TOVA",
+    "AdaKV",
+    "ChannelSelector",
+    "Composed",
+    "Knorm",
+    "LayerInputs",
+    "Plan",
+    "Policy",
+    "RandomScorer",
+    "SnapKV",
+    "StreamingLLM",
+    "ThinK",
+    "TokenScorer",
+    "compose",
+    "parse_policy",
+    "policy_names",
+]

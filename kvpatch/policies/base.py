@@ -1,0 +1,198 @@
+"""The contract between a compression policy and the cache.
+
+At the end of a layer's prefill the cache hands the policy a :class:`LayerInputs` (the layer's real
+queries, keys and values) and gets back a :class:`Plan`: which tokens every (batch row, KV head)
+keeps and which key channels are stored for them. Policies come in three kinds, each with one
+method to implement:
+
+- :class:`TokenScorer` — ``score(inputs)``: one score per token and KV head; the highest are kept,
+  with the same budget for every head of a batch row.
+- :class:`ChannelSelector` — ``select_channels(inputs)``: the key channels each KV head keeps.
+- :class:`Policy` itself — ``plan(inputs)``: anything else (head-wise budgets, composition).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+def check_ratio(ratio: float, name: str = "ratio") -> None:
+    """Reject a compression ratio outside [0, 1) with an error that says what is allowed."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio):
+        raise ValueError(f"{name} must be a number in [0, 1), got {ratio!r}")
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (the fraction removed), got {ratio}")
+
+
+@dataclass
+class LayerInputs:
+    """One layer's prefill, as the policy sees it.
+
+    Attributes
+    ----------
+    queries : Tensor ``[batch, q_heads, tokens, head_dim]``, after RoPE and any q-norm.
+    keys : Tensor ``[batch, kv_heads, tokens, head_dim]``, after RoPE and any k-norm.
+    values : Tensor ``[batch, kv_heads, tokens, v_head_dim]``.
+    valid : bool Tensor ``[batch, tokens]``, False where the token is padding.
+    scaling : the softmax scale the model uses for this layer.
+    layer_idx : index of the layer in the model.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    scaling: float
+    layer_idx: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def grouped_queries(self) -> torch.Tensor:
+        """Queries as ``[batch, kv_heads, group_size, tokens, head_dim]``."""
+        b, _, t, d = self.queries.shape
+        return self.queries.view(b, self.keys.shape[1], self.group_size, t, d)
+
+    def window_attention(self, window: int) -> torch.Tensor:
+        """Softmax attention of the last ``window`` queries over all keys, fp32.
+
+        Returns ``[batch, kv_heads, group_size, window, tokens]``; causal inside the window, padding
+        keys get zero weight.
+        """
+        t = self.num_tokens
+        window = min(window, t)
+        q = self.grouped_queries()[..., t - window :, :].float()
+        scores = torch.einsum("bhgwd,bhtd->bhgwt", q, self.keys.float()) * self.scaling
+        query_pos = torch.arange(t - window, t, device=q.device)
+        key_pos = torch.arange(t, device=q.device)
+        visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
+        visible = visible & self.valid[:, None, None, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return scores.softmax(dim=-1).nan_to_num(0.0)
+
+
+@dataclass
+class Plan:
+    """What one layer keeps.
+
+    Attributes
+    ----------
+    keep : bool Tensor ``[batch, kv_heads, tokens]``; each (row, head) may keep a different number.
+    channels : long Tensor ``[batch, kv_heads, kept_channels]`` (sorted) or None for all channels.
+        Applies to kept tokens before ``full_width_from``.
+    full_width_from : tokens at or after this position keep every channel; every head keeps them.
+    """
+
+    keep: torch.Tensor
+    channels: torch.Tensor | None
+    full_width_from: int
+
+
+def kept_count(valid: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Tokens each batch row keeps: its real length minus the fraction ``ratio``, at least 1."""
+    n = valid.sum(-1)
+    return (n - torch.floor(n * ratio).long()).clamp(min=1).minimum(n)
+
+
+def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the ``count[row]`` highest scores along the last dim, per leading index.
+
+    ``scores`` is ``[batch, ..., n]`` and ``count`` is ``[batch]``.
+    """
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(scores.shape[-1], device=scores.device)
+    count = count.view(-1, *([1] * (scores.dim() - 1)))
+    chosen = (ranks < count).expand_as(scores)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)
+
+
+class Policy(ABC):
+    """Anything that turns one layer's prefill into a :class:`Plan`."""
+
+    #: fraction of the cache removed; every policy has one
+    ratio: float
+
+    @abstractmethod
+    def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
+        """Decide what the layer keeps; ``must_keep`` ``[batch, tokens]`` marks forced tokens."""
+
+    def __add__(self, other: Policy) -> Policy:
+        from kvpatch.policies.compose import compose
+
+        return compose(self, other)
+
+
+def scores_with_rules(
+    scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None
+) -> torch.Tensor:
+    """Apply the rules every token policy shares: padding is never kept, ``must_keep`` always is."""
+    scores = scores.float()
+    if must_keep is not None:
+        scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
+    return scores.masked_fill(~inputs.valid[:, None, :], float("-inf"))
+
+
+def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:
+    """Tokens per head: the ratio's budget, raised to cover every token that must be kept."""
+    protected = torch.isinf(scores) & (scores > 0)
+    return torch.maximum(kept_count(inputs.valid, ratio), protected.sum(-1).amax(-1))
+
+
+class TokenScorer(Policy):
+    """A policy that scores tokens; every KV head of a batch row keeps the same number of them.
+
+    Subclasses are dataclasses with a ``ratio`` field and implement :meth:`score`. A score of
+    ``+inf`` marks a token that is always kept (a window, sink tokens).
+    """
+
+    #: short name used in policy strings
+    name: str = ""
+
+    @abstractmethod
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        """Return ``[batch, kv_heads, tokens]`` scores; higher is kept first."""
+
+    def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
+        scores = scores_with_rules(self.score(inputs), inputs, must_keep)
+        keep = select_top(scores, budget_per_head(scores, inputs, self.ratio))
+        return Plan(keep=keep, channels=None, full_width_from=inputs.num_tokens)
+
+
+class ChannelSelector(Policy):
+    """A policy that prunes key channels; it keeps every (real) token.
+
+    Subclasses are dataclasses with ``ratio`` (fraction of key channels removed) and ``window``
+    (the last tokens keep full width) and implement :meth:`select_channels`.
+    """
+
+    name: str = ""
+    window: int = 0
+
+    @abstractmethod
+    def select_channels(self, inputs: LayerInputs) -> torch.Tensor:
+        """Return ``[batch, kv_heads, kept_channels]`` channel indices."""
+
+    def kept_channels(self, head_dim: int) -> int:
+        return head_dim - math.floor(head_dim * self.ratio)
+
+    def full_width_from(self, inputs: LayerInputs) -> int:
+        return max(inputs.num_tokens - self.window, 0)
+
+    def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
+        keep = inputs.valid[:, None, :].expand(-1, inputs.keys.shape[1], -1).clone()
+        channels = self.select_channels(inputs)
+        if channels.shape[-1] == inputs.keys.shape[-1]:
+            channels = None
+        else:
+            channels = channels.sort(dim=-1).values
+        return Plan(keep=keep, channels=channels, full_width_from=self.full_width_from(inputs))

@@ -1,0 +1,34 @@
+"""Random eviction: the baseline every scorer should beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+
+
+@dataclass
+class RandomScorer(TokenScorer):
+    """Score tokens uniformly at random, reproducibly.
+
+    Parameters
+    ----------
+    ratio : float, default 0.5
+        Fraction of the tokens removed.
+    seed : int, default 0
+        Seed of the generator; each layer draws from ``seed + layer_idx``.
+    """
+
+    ratio: float = 0.5
+    seed: int = 0
+    name = "random"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + inputs.layer_idx)
+        b, h, t, _ = inputs.keys.shape
+        return torch.rand(b, h, t, generator=generator).to(inputs.keys.device)

@@ -1,0 +1,54 @@
+"""SnapKV: keep the tokens the last queries attend to (https://arxiv.org/abs/2404.14469)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+
+
+@dataclass
+class SnapKV(TokenScorer):
+    """Score each token by the attention the last ``window`` queries pay it.
+
+    Parameters
+    ----------
+    ratio : float, default 0.5
+        Fraction of the tokens removed.
+    window : int, default 64
+        Observation window: the last queries whose attention is averaged; these tokens are
+        always kept.
+    kernel_size : int, default 5
+        Width of the 1-D average pooling that smooths scores over neighbouring tokens.
+    """
+
+    ratio: float = 0.5
+    window: int = 64
+    kernel_size: int = 5
+    name = "snapkv"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if self.window < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"SnapKV needs window >= 1 and an odd kernel_size >= 1, got window={self.window}, "
+                f"kernel_size={self.kernel_size}"
+            )
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        attention = inputs.window_attention(self.window)  # [b, h, g, w, t]
+        b, h, g, w, t = attention.shape
+        per_query_head = attention.mean(dim=3).reshape(b * h * g, 1, t)
+        pooled = F.avg_pool1d(
+            per_query_head,
+            self.kernel_size,
+            stride=1,
+            padding=self.kernel_size // 2,
+            count_include_pad=False,
+        )
+        scores = pooled.view(b, h, g, t).mean(dim=2)
+        scores[..., t - w :] = float("inf")
+        return scores

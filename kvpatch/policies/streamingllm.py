@@ -1,0 +1,38 @@
+"""StreamingLLM: attention sinks plus a recent window (https://arxiv.org/abs/2309.17453)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+
+
+@dataclass
+class StreamingLLM(TokenScorer):
+    """Keep the first ``n_sink`` real tokens of each row and then the most recent ones.
+
+    Parameters
+    ----------
+    ratio : float, default 0.5
+        Fraction of the tokens removed.
+    n_sink : int, default 4
+        Number of leading tokens always kept (the attention sinks), counted from the first
+        non-padding token of each row.
+    """
+
+    ratio: float = 0.5
+    n_sink: int = 4
+    name = "streamingllm"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if self.n_sink < 0:
+            raise ValueError(f"StreamingLLM needs n_sink >= 0, got {self.n_sink}")
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        valid = inputs.valid
+        rank = valid.long().cumsum(-1) - 1  # position among the row's real tokens
+        scores = rank.float().masked_fill(valid & (rank < self.n_sink), float("inf"))
+        return scores[:, None, :].expand(-1, inputs.keys.shape[1], -1)

@@ -1,0 +1,46 @@
+"""ThinK: prune the key channels that matter least (https://arxiv.org/abs/2407.21018)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch.policies.base import ChannelSelector, LayerInputs, check_ratio
+
+
+@dataclass
+class ThinK(ChannelSelector):
+    """Keep, per KV head, the key channels with the largest query-key magnitude.
+
+    The score of channel ``c`` of a KV head is ``mean(q_c^2) * mean(k_c^2)``: ``q`` over the last
+    ``window`` queries of the head's GQA group, ``k`` over the real tokens. The last ``window``
+    tokens, and every token appended later, keep all channels.
+
+    Parameters
+    ----------
+    ratio : float, default 0.5
+        Fraction of the key channels removed.
+    window : int, default 32
+        Observation window, which also keeps full width.
+    """
+
+    ratio: float = 0.5
+    window: int = 32
+    name = "think"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if self.window < 1:
+            raise ValueError(f"ThinK needs window >= 1, got {self.window}")
+
+    def select_channels(self, inputs: LayerInputs) -> torch.Tensor:
+        t = inputs.num_tokens
+        window = min(self.window, t)
+        queries = inputs.grouped_queries()[..., t - window :, :].float()  # [b, h, g, w, d]
+        query_energy = queries.square().mean(dim=(2, 3))  # [b, h, d]
+        valid = inputs.valid[:, None, :, None].float()
+        key_energy = (inputs.keys.float().square() * valid).sum(2) / valid.sum(2).clamp(min=1)
+        scores = query_energy * key_energy
+        kept = self.kept_channels(inputs.keys.shape[-1])
+        return scores.topk(kept, dim=-1).indices
