@@ -235,8 +235,9 @@ class CompressedLayer(DynamicLayer):
         """Bytes of the tensors this layer holds (their storages, not views)."""
         if not self.is_initialized:
             return 0
-        held = storage_nbytes(self.keys, self.values)
-        return held if self.packed is None else held + self.packed.nbytes()
+        if self.packed is None:
+            return storage_nbytes(self.keys, self.values)
+        return storage_nbytes(self.keys, self.values, self.key_norm_bound) + self.packed.nbytes()
 
 
 def _check_plan(plan: Plan, inputs: LayerInputs) -> None:

@@ -80,3 +80,13 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_of(output) -> object | None:
+    """The cache a model or ``generate`` output carries (``cache`` from 5.24, else
+    ``past_key_values``)."""
+    for name in CACHE_ARGUMENTS:
+        cache = getattr(output, name, None)
+        if cache is not None:
+            return cache
+    return None

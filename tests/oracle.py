@@ -40,11 +40,11 @@ def evictions_of(cache) -> dict[int, Eviction]:
         packed = layer.packed
         b, h, start = packed.kept.shape
         prefill = start + (layer.seen - start)  # positions seen, some decoded after
-        keep = torch.ones(b, h, prefill, dtype=torch.bool)
+        keep = torch.ones(b, h, prefill, dtype=torch.bool, device=packed.kept.device)
         keep[..., :start] = packed.kept
         channel_keep = None
         if packed.channels is not None:
-            channel_keep = torch.zeros(b, h, packed.head_dim, dtype=torch.bool)
+            channel_keep = torch.zeros(b, h, packed.head_dim, dtype=torch.bool, device=keep.device)
             channel_keep.scatter_(-1, packed.channels, True)
         out[idx] = Eviction(keep, channel_keep, start)
     return out
@@ -56,7 +56,7 @@ def oracle_attention(
     batch, kv_heads, length, dim = key.shape
     group = query.shape[1] // kv_heads
     keys, values = key.double().clone(), value.double()
-    allowed = torch.ones(batch, kv_heads, length, dtype=torch.bool)
+    allowed = torch.ones(batch, kv_heads, length, dtype=torch.bool, device=key.device)
     eviction = _evictions.get(module.layer_idx)
     if eviction is not None and length > query.shape[2]:  # decoding after the prefill
         known = min(length, eviction.keep.shape[-1])
@@ -103,7 +103,7 @@ def greedy_logits(model, ids: torch.Tensor, cache, steps: int, tokens: torch.Ten
             )
             fed.append(nxt)
             out = model(nxt, use_cache=True, **{name: cache})
-    return torch.stack(logits), torch.cat(fed, dim=1)
+    return torch.stack(logits), torch.cat(fed, dim=1) if fed else ids[:, :0]
 
 
 def oracle_logits(model, ids, evictions: dict[int, Eviction], tokens: torch.Tensor):

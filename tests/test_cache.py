@@ -1,0 +1,107 @@
+"""Packed storage: what goes in comes out, per head, in order, with pruned channels as zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, prompt
+from oracle import greedy_logits
+
+import kvpatch
+from kvpatch import CompressedDynamicCache
+from kvpatch.packed import PackedKV
+from kvpatch.policies import Plan
+
+
+def random_plan(batch=3, heads=2, tokens=20, dim=8, kept_channels=None, full_width_from=None):
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(batch, heads, tokens, dim, generator=generator)
+    values = torch.randn(batch, heads, tokens, dim + 2, generator=generator)
+    keep = torch.rand(batch, heads, tokens, generator=generator) < 0.5
+    channels = None
+    if kept_channels is not None:
+        channels = torch.stack(
+            [
+                torch.randperm(dim, generator=generator)[:kept_channels].sort().values
+                for _ in range(batch * heads)
+            ]
+        ).view(batch, heads, kept_channels)
+    start = tokens if full_width_from is None else full_width_from
+    return keys, values, Plan(keep=keep, channels=channels, full_width_from=start)
+
+
+def expected_head(keys, values, plan, b, h):
+    """One head's kept keys (pruned channels zeroed) and values, by plain indexing."""
+    start = plan.full_width_from
+    positions = [t for t in range(start) if plan.keep[b, h, t]]
+    k = keys[b, h, positions].clone()
+    if plan.channels is not None:
+        pruned = [c for c in range(keys.shape[-1]) if c not in plan.channels[b, h].tolist()]
+        k[:, pruned] = 0
+    return k, values[b, h, positions]
+
+
+@pytest.mark.parametrize("kept_channels", [None, 5])
+def test_dense_view_holds_each_heads_tokens_in_order(kept_channels):
+    keys, values, plan = random_plan(kept_channels=kept_channels, full_width_from=15)
+    packed = PackedKV.from_plan(keys, values, plan)
+    dense_k, dense_v = packed.dense()
+    assert dense_k.shape[-1] == keys.shape[-1]
+    for b in range(keys.shape[0]):
+        for h in range(keys.shape[1]):
+            k, v = expected_head(keys, values, plan, b, h)
+            n = len(k)
+            assert packed.lengths[b, h] == n
+            assert torch.equal(dense_k[b, h, :n], k) and torch.equal(dense_v[b, h, :n], v)
+            assert (dense_k[b, h, n:] == 0).all() and (dense_v[b, h, n:] == 0).all()
+
+
+def test_storage_is_packed_without_padding():
+    keys, values, plan = random_plan(kept_channels=5)
+    packed = PackedKV.from_plan(keys, values, plan)
+    kept = int(plan.keep.sum())
+    assert packed.keys.shape == (kept, 5) and packed.values.shape == (kept, keys.shape[-1] + 2)
+
+
+def test_select_rows_reorders_repeats_and_subsets():
+    keys, values, plan = random_plan(kept_channels=5)
+    packed = PackedKV.from_plan(keys, values, plan)
+    rows = torch.tensor([2, 0, 0, 1])
+    selected = packed.select_rows(rows).dense()
+    rebuilt = PackedKV.from_plan(
+        keys[rows], values[rows], Plan(plan.keep[rows], plan.channels[rows], plan.full_width_from)
+    ).dense()
+    width = selected[0].shape[2]
+    assert torch.equal(selected[0], rebuilt[0][:, :, :width])
+    assert torch.equal(selected[1], rebuilt[1][:, :, :width])
+
+
+def compressed_cache(policy="think+ada-snapkv:0.6", length=300, steps=3):
+    model = make_model("llama")
+    with kvpatch.enabled(model, policy):
+        cache = CompressedDynamicCache(config=model.config)
+        greedy_logits(model, prompt(length), cache, steps)
+    return cache
+
+
+def test_lengths_logical_and_physical():
+    cache = compressed_cache(length=300, steps=3)
+    assert cache.get_seq_length() == 303
+    layer = cache.layers[0]
+    assert layer.get_mask_sizes(1) == (304, 0)
+    physical = layer.physical_lengths()
+    assert (physical < 303).all()
+    for b, h in [(0, 0), (0, 1)]:
+        positions = layer.kept_positions(b, h)
+        assert len(positions) == physical[b, h]
+        assert (positions.diff() > 0).all() and positions[-1] == 302
+
+
+def test_crop_only_inside_the_tail():
+    cache = compressed_cache(steps=3)
+    layer = cache.layers[0]
+    tail = layer.keys.shape[-2]
+    cache.crop(-2)
+    assert cache.get_seq_length() == 301 and layer.keys.shape[-2] == tail - 2
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-(tail + 5))

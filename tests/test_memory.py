@@ -1,0 +1,80 @@
+"""The compressed cache holds less: bytes of its tensors' storages against DynamicCache's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_model, prompt
+from transformers import DynamicCache
+
+import kvpatch
+from kvpatch import CompressedDynamicCache, compat
+
+PROMPT = 1024
+SLACK = 0.02
+
+
+def held_bytes(obj, seen=None) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj``'s attributes."""
+    seen = {} if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            held_bytes(item, seen)
+    elif dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__"):
+        for value in vars(obj).values():
+            if isinstance(value, (torch.Tensor, list, tuple)) or dataclasses.is_dataclass(value):
+                held_bytes(value, seen)
+    return sum(seen.values())
+
+
+def prefill(model, cache):
+    with torch.no_grad():
+        model(prompt(PROMPT), use_cache=True, **{compat.cache_argument(model): cache})
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "policy, kept",
+    [
+        ("snapkv:0.75", 0.25),
+        ("ada-snapkv:0.75", 0.25),
+        ("think:0.5", 0.75),
+        ("think:0.5+snapkv:0.5", 0.375),
+        ("think:0.5+ada-snapkv:0.5", 0.375),
+    ],
+)
+def test_bytes_after_prefill(policy, kept, dtype):
+    model = make_model("llama", "sdpa").to(dtype)
+    full = held_bytes(prefill(model, DynamicCache(config=model.config)).layers)
+    with kvpatch.enabled(model, policy):
+        cache = prefill(model, CompressedDynamicCache(config=model.config))
+    held = held_bytes(cache.layers)
+    assert cache.nbytes() == held, "nbytes() must count every tensor the cache holds"
+    assert held / full <= kept + SLACK, f"{policy}: {held / full:.4f} of the full cache"
+    assert held / full >= kept - SLACK, "the policy removed more than its ratio"
+
+
+def test_storage_not_views_is_counted():
+    """A slice that keeps the whole prefill alive would be caught by counting storages."""
+    model = make_model("llama", "sdpa")
+    with kvpatch.enabled(model, "snapkv:0.75"):
+        cache = prefill(model, CompressedDynamicCache(config=model.config))
+    layer = cache.layers[0]
+    layer.keys = torch.zeros(1, 2, PROMPT, 32)[..., -4:, :]  # a small view of a big storage
+    assert layer.nbytes() >= PROMPT * 2 * 32 * 4
+
+
+def test_logical_and_physical_lengths():
+    model = make_model("llama", "sdpa")
+    with kvpatch.enabled(model, "ada-knorm:0.75"):
+        cache = prefill(model, CompressedDynamicCache(config=model.config))
+    assert cache.get_seq_length() == PROMPT
+    for lengths in cache.physical_lengths():
+        assert lengths.sum() == 2 * (PROMPT - PROMPT * 3 // 4)
+        assert len(set(lengths.flatten().tolist())) > 1
