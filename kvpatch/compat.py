@@ -25,11 +25,19 @@ def query_length(query) -> int:
     return int(query)
 
 
+# From 5.15 ``crop`` takes only ``-n`` (remove n tokens; 0 removes nothing); before, a
+# non-negative argument was the length to keep.
+_CROP_TAKES_ONLY_NEGATIVE = TRANSFORMERS_VERSION >= Version("5.15")
+
+
 def tokens_to_remove(argument: int, seen: int) -> int:
-    """``crop(n)``: negative ``n`` removes ``-n`` tokens; non-negative ``n`` (before 5.15) is the
-    length to keep."""
+    """How many tokens ``crop(argument)`` removes from a layer that has seen ``seen``."""
     if argument < 0:
         return min(-argument, seen)
+    if _CROP_TAKES_ONLY_NEGATIVE:
+        if argument > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {argument}")
+        return 0
     return max(seen - argument, 0)
 
 

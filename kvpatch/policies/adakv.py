@@ -54,9 +54,9 @@ class AdaKV(Policy):
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         scores = scores_with_rules(self.scorer.score(inputs), inputs, must_keep)
         b, h, t = scores.shape
-        per_head = budget_per_head(scores, inputs, self.ratio)  # [b]
+        per_head = budget_per_head(scores, inputs, self.ratio)  # [b, h]
         safeguard = torch.floor(per_head.float() * self.alpha).long()
         guaranteed = select_top(scores, safeguard) & (scores > float("-inf"))
         boosted = scores.masked_fill(guaranteed, math.inf)
-        keep = select_top(boosted.reshape(b, h * t), per_head * h).view(b, h, t)
+        keep = select_top(boosted.reshape(b, h * t), per_head.sum(-1)).view(b, h, t)
         return Plan(keep=keep, channels=None, full_width_from=t)

@@ -30,16 +30,21 @@ def check_ratio(ratio: float, name: str = "ratio") -> None:
 
 @dataclass
 class LayerInputs:
-    """One layer's prefill, as the policy sees it.
+    """One layer's cache content, as the policy sees it: the prefill, or (when the cache is
+    compressed again while decoding) the tokens it holds.
 
     Attributes
     ----------
-    queries : Tensor ``[batch, q_heads, tokens, head_dim]``, after RoPE and any q-norm.
+    queries : Tensor ``[batch, q_heads, n_queries, head_dim]``, after RoPE and any q-norm: the
+        queries of the last ``n_queries`` tokens (every token at prefill, a recent window while
+        decoding).
     keys : Tensor ``[batch, kv_heads, tokens, head_dim]``, after RoPE and any k-norm.
     values : Tensor ``[batch, kv_heads, tokens, v_head_dim]``.
-    valid : bool Tensor ``[batch, tokens]``, False where the token is padding.
+    valid : bool Tensor ``[batch, tokens]`` or ``[batch, kv_heads, tokens]``, False where there
+        is no real token (padding).
     scaling : the softmax scale the model uses for this layer.
     layer_idx : index of the layer in the model.
+    keep_tokens : if set, the number of tokens each head keeps, instead of the ratio's share.
     """
 
     queries: torch.Tensor
@@ -48,6 +53,7 @@ class LayerInputs:
     valid: torch.Tensor
     scaling: float
     layer_idx: int = 0
+    keep_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,25 +64,32 @@ class LayerInputs:
         """Query heads per KV head (GQA)."""
         return self.queries.shape[1] // self.keys.shape[1]
 
+    @property
+    def head_valid(self) -> torch.Tensor:
+        """``valid`` as ``[batch, kv_heads, tokens]``."""
+        if self.valid.dim() == 3:
+            return self.valid
+        return self.valid[:, None, :].expand(-1, self.keys.shape[1], -1)
+
     def grouped_queries(self) -> torch.Tensor:
-        """Queries as ``[batch, kv_heads, group_size, tokens, head_dim]``."""
-        b, _, t, d = self.queries.shape
-        return self.queries.view(b, self.keys.shape[1], self.group_size, t, d)
+        """Queries as ``[batch, kv_heads, group_size, n_queries, head_dim]``."""
+        b, _, n, d = self.queries.shape
+        return self.queries.view(b, self.keys.shape[1], self.group_size, n, d)
 
     def window_attention(self, window: int) -> torch.Tensor:
         """Softmax attention of the last ``window`` queries over all keys, fp32.
 
-        Returns ``[batch, kv_heads, group_size, window, tokens]``; causal inside the window, padding
-        keys get zero weight.
+        Returns ``[batch, kv_heads, group_size, window, tokens]`` (``window`` capped by the
+        queries available); causal inside the window, padding keys get zero weight.
         """
         t = self.num_tokens
-        window = min(window, t)
-        q = self.grouped_queries()[..., t - window :, :].float()
+        window = min(window, t, self.queries.shape[2])
+        q = self.grouped_queries()[..., -window:, :].float()
         scores = torch.einsum("bhgwd,bhtd->bhgwt", q, self.keys.float()) * self.scaling
         query_pos = torch.arange(t - window, t, device=q.device)
         key_pos = torch.arange(t, device=q.device)
         visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
-        visible = visible & self.valid[:, None, None, None, :]
+        visible = visible & self.head_valid[:, :, None, None, :]
         scores = scores.masked_fill(~visible, float("-inf"))
         return scores.softmax(dim=-1).nan_to_num(0.0)
 
@@ -98,20 +111,23 @@ class Plan:
     full_width_from: int
 
 
-def kept_count(valid: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Tokens each batch row keeps: its real length minus the fraction ``ratio``, at least 1."""
-    n = valid.sum(-1)
+def kept_count(inputs: LayerInputs, ratio: float) -> torch.Tensor:
+    """Tokens each head keeps, ``[batch, kv_heads]``: its real tokens minus the fraction
+    ``ratio`` (or ``inputs.keep_tokens``), at least 1."""
+    n = inputs.head_valid.sum(-1)
+    if inputs.keep_tokens is not None:
+        return n.clamp(max=inputs.keep_tokens)
     return (n - torch.floor(n * ratio).long()).clamp(min=1).minimum(n)
 
 
 def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the ``count[row]`` highest scores along the last dim, per leading index.
+    """Boolean mask of the ``count`` highest scores along the last dim.
 
-    ``scores`` is ``[batch, ..., n]`` and ``count`` is ``[batch]``.
+    ``count`` has the shape of ``scores`` without its last dim, or a prefix of it (broadcast).
     """
     order = scores.argsort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(scores.shape[-1], device=scores.device)
-    count = count.view(-1, *([1] * (scores.dim() - 1)))
+    count = count.reshape(*count.shape, *([1] * (scores.dim() - count.dim())))
     chosen = (ranks < count).expand_as(scores)
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)
 
@@ -139,13 +155,14 @@ def scores_with_rules(
     scores = scores.float()
     if must_keep is not None:
         scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
-    return scores.masked_fill(~inputs.valid[:, None, :], float("-inf"))
+    return scores.masked_fill(~inputs.head_valid, float("-inf"))
 
 
 def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:
-    """Tokens per head: the ratio's budget, raised to cover every token that must be kept."""
+    """Tokens per head ``[batch, kv_heads]``: the ratio's budget, raised to cover every token
+    that must be kept."""
     protected = torch.isinf(scores) & (scores > 0)
-    return torch.maximum(kept_count(inputs.valid, ratio), protected.sum(-1).amax(-1))
+    return torch.maximum(kept_count(inputs, ratio), protected.sum(-1))
 
 
 class TokenScorer(Policy):
@@ -189,7 +206,7 @@ class ChannelSelector(Policy):
         return max(inputs.num_tokens - self.window, 0)
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
-        keep = inputs.valid[:, None, :].expand(-1, inputs.keys.shape[1], -1).clone()
+        keep = inputs.head_valid.clone()
         channels = self.select_channels(inputs)
         if channels.shape[-1] == inputs.keys.shape[-1]:
             channels = None

@@ -41,6 +41,8 @@ class Composed(Policy):
         channel_plan = self.channels.plan(inputs)
         positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
         window = (positions >= channel_plan.full_width_from)[None, :] & inputs.valid
+        if window.dim() == 3:  # per-head validity: the window is kept where any head has it
+            window = window.any(1)
         if must_keep is not None:
             window = window | must_keep
         token_plan = self.tokens.plan(inputs, must_keep=window)

@@ -29,6 +29,9 @@ class RandomScorer(TokenScorer):
         check_ratio(self.ratio)
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
+        # one draw per (head, real-token rank): a row scores the same alone or padded in a batch
         generator = torch.Generator().manual_seed(self.seed + inputs.layer_idx)
-        b, h, t, _ = inputs.keys.shape
-        return torch.rand(b, h, t, generator=generator).to(inputs.keys.device)
+        _, h, t, _ = inputs.keys.shape
+        table = torch.rand(t, h, generator=generator).to(inputs.keys.device)  # prefix-stable
+        rank = (inputs.head_valid.long().cumsum(-1) - 1).clamp(min=0)  # [b, h, t]
+        return table.T.expand(rank.shape[0], -1, -1).gather(-1, rank)

@@ -41,14 +41,14 @@ class SnapKV(TokenScorer):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         attention = inputs.window_attention(self.window)  # [b, h, g, w, t]
         b, h, g, w, t = attention.shape
-        per_query_head = attention.mean(dim=3).reshape(b * h * g, 1, t)
-        pooled = F.avg_pool1d(
-            per_query_head,
-            self.kernel_size,
-            stride=1,
-            padding=self.kernel_size // 2,
-            count_include_pad=False,
-        )
-        scores = pooled.view(b, h, g, t).mean(dim=2)
+        per_query_head = attention.mean(dim=3).reshape(b, h * g, t)
+        valid = inputs.head_valid.repeat_interleave(g, dim=1)
+        scores = self._smooth(per_query_head, valid).view(b, h, g, t).mean(dim=2)
         scores[..., t - w :] = float("inf")
         return scores
+
+    def _smooth(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Average over the ``kernel_size`` neighbours that are real tokens (padding excluded)."""
+        pool = lambda x: F.avg_pool1d(x, self.kernel_size, stride=1, padding=self.kernel_size // 2)
+        weight = valid.float()
+        return pool(scores * weight) / pool(weight).clamp_min(1e-12)

@@ -32,7 +32,6 @@ class StreamingLLM(TokenScorer):
             raise ValueError(f"StreamingLLM needs n_sink >= 0, got {self.n_sink}")
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        valid = inputs.valid
-        rank = valid.long().cumsum(-1) - 1  # position among the row's real tokens
-        scores = rank.float().masked_fill(valid & (rank < self.n_sink), float("inf"))
-        return scores[:, None, :].expand(-1, inputs.keys.shape[1], -1)
+        valid = inputs.head_valid
+        rank = valid.long().cumsum(-1) - 1  # position among the head's real tokens
+        return rank.float().masked_fill(valid & (rank < self.n_sink), float("inf"))

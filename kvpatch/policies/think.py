@@ -35,11 +35,10 @@ class ThinK(ChannelSelector):
             raise ValueError(f"ThinK needs window >= 1, got {self.window}")
 
     def select_channels(self, inputs: LayerInputs) -> torch.Tensor:
-        t = inputs.num_tokens
-        window = min(self.window, t)
-        queries = inputs.grouped_queries()[..., t - window :, :].float()  # [b, h, g, w, d]
+        window = min(self.window, inputs.num_tokens)
+        queries = inputs.grouped_queries()[..., -window:, :].float()  # [b, h, g, w, d]
         query_energy = queries.square().mean(dim=(2, 3))  # [b, h, d]
-        valid = inputs.valid[:, None, :, None].float()
+        valid = inputs.head_valid[..., None].float()
         key_energy = (inputs.keys.float().square() * valid).sum(2) / valid.sum(2).clamp(min=1)
         scores = query_energy * key_energy
         kept = self.kept_channels(inputs.keys.shape[-1])
