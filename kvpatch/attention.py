@@ -107,7 +107,7 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
         scaling=_scaling(module, query, kwargs),
         layer_idx=getattr(module, "layer_idx", 0) or 0,
     )
-    view.layer.compress(policy, inputs)
+    view.layer.compress(policy, inputs, view.decode_budget)
 
 
 def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
@@ -125,6 +125,7 @@ def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torc
 
 
 def _attend_compressed(backend, original, module, query, key, value, attention_mask, view, kwargs):
+    view.layer.remember_queries(query)
     batch, kv_heads, _, dim = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
     group = q_heads // kv_heads

@@ -23,9 +23,11 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch import compat
 from kvpatch.packed import PackedKV, storage_nbytes
-from kvpatch.policies import LayerInputs, Plan, Policy, parse_policy
+from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Plan, Policy, parse_policy
 
 _VIEW_ATTRIBUTE = "_kvpatch_view"
+#: queries kept per layer for decoding-time compression (SnapKV's default window)
+RECENT_QUERIES = 64
 
 
 @dataclass
@@ -37,6 +39,25 @@ class PrefillView:
 
     layer: CompressedLayer
     policy: Policy | None = None
+    decode_budget: DecodeBudget | None = None
+
+
+@dataclass(frozen=True)
+class DecodeBudget:
+    """Keep a layer bounded while decoding: once a head holds ``tokens + interval`` tokens, the
+    layer is compressed back to ``tokens`` per head with the same policy.
+
+    Channels chosen at the prefill stay; the policy's full-width window stays full width.
+    """
+
+    tokens: int
+    interval: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"decode budget {name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -48,6 +69,7 @@ class CompressedView:
     ``packed_length`` on are the tail, whose first token has logical position ``tail_start``.
     """
 
+    layer: CompressedLayer
     lengths: torch.Tensor
     packed_length: int
     tail_start: int
@@ -82,10 +104,17 @@ class CompressedLayer(DynamicLayer):
     def _clear(self) -> None:
         self.packed: PackedKV | None = None
         self.tail_start = 0
+        self.tail_valid: torch.Tensor | None = None  # [batch, tail], False for padding
         self.seen = 0
         self.key_norm_bound: torch.Tensor | None = None
         self.awaiting_compression = False
         self.passthrough = False
+        # what decoding-time compression needs
+        self.policy: Policy | None = None
+        self.decode_budget: DecodeBudget | None = None
+        self.recent_queries: torch.Tensor | None = None
+        self.scaling = 1.0
+        self.layer_idx = 0
 
     # -- transformers' layer API ---------------------------------------------------------------
 
@@ -106,10 +135,14 @@ class CompressedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first_forward = self.seen == 0
+        if self.packed is not None and self._over_decode_budget():
+            self._compress_while_decoding()
         self.seen += key_states.shape[-2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         if self.packed is not None:
+            valid = self.tail_valid.new_ones(key_states.shape[0], key_states.shape[-2])
+            self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
             self._bound_key_norms(key_states)
             return self._dense_view()
         if first_forward and not self.passthrough:
@@ -143,6 +176,8 @@ class CompressedLayer(DynamicLayer):
             )
         self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
         self.values = self.values[..., : self.values.shape[-2] - remove, :]
+        if self.tail_valid is not None:
+            self.tail_valid = self.tail_valid[:, : self.keys.shape[-2]]
         self.seen -= remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -164,6 +199,9 @@ class CompressedLayer(DynamicLayer):
         if self.packed is not None:
             self.packed = self.packed.select_rows(indices)
             self.key_norm_bound = self.key_norm_bound[indices]
+            self.tail_valid = self.tail_valid[indices]
+            if self.recent_queries is not None:
+                self.recent_queries = self.recent_queries[indices]
 
     def offload(self):
         super().offload()
@@ -177,7 +215,12 @@ class CompressedLayer(DynamicLayer):
 
     # -- compression ---------------------------------------------------------------------------
 
-    def compress(self, policy: Policy | None, inputs: LayerInputs) -> None:
+    def compress(
+        self,
+        policy: Policy | None,
+        inputs: LayerInputs,
+        decode_budget: DecodeBudget | None = None,
+    ) -> None:
         """Replace the prefill by what ``policy`` keeps (called once, right after the prefill)."""
         self.awaiting_compression = False
         if policy is None or inputs.num_tokens <= 1:
@@ -187,27 +230,97 @@ class CompressedLayer(DynamicLayer):
         _check_plan(plan, inputs)
         self.packed = PackedKV.from_plan(self.keys, self.values, plan)
         self.tail_start = plan.full_width_from
+        self.tail_valid = inputs.head_valid[:, 0, self.tail_start :].clone()
         self.keys = self.keys[..., self.tail_start :, :].clone()
         self.values = self.values[..., self.tail_start :, :].clone()
         self.key_norm_bound = torch.zeros(self.packed.lengths.shape, device=self.device)
         self._bound_key_norms(self.packed.dense()[0])
         self._bound_key_norms(self.keys)
+        self.policy, self.decode_budget = policy, decode_budget
+        self.scaling, self.layer_idx = inputs.scaling, inputs.layer_idx
+        if decode_budget is not None:
+            token_policy_of(policy)  # fail now, not in the middle of a generation
+            self.remember_queries(inputs.queries)
+
+    def remember_queries(self, queries: torch.Tensor) -> None:
+        """Keep the last queries, which decoding-time compression scores with."""
+        if self.decode_budget is None:
+            return
+        if self.recent_queries is not None:
+            queries = torch.cat([self.recent_queries, queries], dim=-2)
+        self.recent_queries = queries[..., -RECENT_QUERIES:, :].clone()
+
+    def _over_decode_budget(self) -> bool:
+        if self.decode_budget is None:
+            return False
+        held = self.packed.max_length + self.keys.shape[-2]
+        return held >= self.decode_budget.tokens + self.decode_budget.interval
+
+    def _compress_while_decoding(self) -> None:
+        """Compress everything held back to the decode budget, channels and window unchanged."""
+        keys, values = self._dense_kv()
+        b, h, slots, _ = keys.shape
+        packed_slots = torch.arange(self.packed.max_length, device=keys.device)
+        valid = torch.cat(
+            [
+                packed_slots < self.packed.lengths[..., None],
+                self.tail_valid[:, None, :].expand(b, h, -1),
+            ],
+            dim=-1,
+        )
+        tail_positions = torch.arange(self.tail_start, self.seen, device=keys.device)
+        positions = torch.cat([self.packed.positions(), tail_positions.expand(b, h, -1)], -1)
+        full_width = 0
+        if self.packed.channels is not None:
+            full_width = min(self.policy.channels.window, self.keys.shape[-2])
+        cut = slots - full_width
+        must_keep = None
+        if full_width:
+            must_keep = torch.zeros(b, slots, dtype=torch.bool, device=keys.device)
+            must_keep[:, cut:] = True
+        inputs = LayerInputs(
+            queries=self.recent_queries,
+            keys=keys,
+            values=values,
+            valid=valid,
+            scaling=self.scaling,
+            layer_idx=self.layer_idx,
+            keep_tokens=self.decode_budget.tokens,
+        )
+        keep = token_policy_of(self.policy).plan(inputs, must_keep=must_keep).keep & valid
+        keep = keep[..., :cut]
+        new_tail_start = self.seen - full_width
+        record = torch.zeros(b, h, new_tail_start, dtype=torch.int8, device=keys.device)
+        record.scatter_add_(-1, positions[..., :cut], keep.to(torch.int8))
+        self.packed = PackedKV.pack(
+            keys[..., :cut, :], values[..., :cut, :], keep, self.packed.channels, record > 0
+        )
+        self.keys = keys[..., cut:, :].clone()
+        self.values = values[..., cut:, :].clone()
+        self.tail_valid = self.tail_valid[:, self.tail_valid.shape[-1] - full_width :].clone()
+        self.tail_start = new_tail_start
 
     def _bound_key_norms(self, keys: torch.Tensor) -> None:
         if keys.shape[-2]:
             norms = keys.float().norm(dim=-1).amax(dim=-1)
             self.key_norm_bound = torch.maximum(self.key_norm_bound, norms)
 
-    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed block (padded per head, pruned channels as zeros) followed by the tail."""
         packed_keys, packed_values = self.packed.dense()
+        keys = torch.cat([packed_keys, self.keys], dim=-2)
+        values = torch.cat([packed_values, self.values], dim=-2)
+        return keys, values
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._dense_kv()
         view = CompressedView(
+            layer=self,
             lengths=self.packed.lengths,
-            packed_length=packed_keys.shape[-2],
+            packed_length=self.packed.max_length,
             tail_start=self.tail_start,
             key_norm_bound=self.key_norm_bound,
         )
-        keys = torch.cat([packed_keys, self.keys], dim=-2)
-        values = torch.cat([packed_values, self.values], dim=-2)
         return mark(keys, view), values
 
     # -- what is held --------------------------------------------------------------------------
@@ -237,7 +350,20 @@ class CompressedLayer(DynamicLayer):
             return 0
         if self.packed is None:
             return storage_nbytes(self.keys, self.values)
-        return storage_nbytes(self.keys, self.values, self.key_norm_bound) + self.packed.nbytes()
+        extra = (self.key_norm_bound, self.tail_valid, self.recent_queries)
+        return storage_nbytes(self.keys, self.values, *extra) + self.packed.nbytes()
+
+
+def token_policy_of(policy: Policy) -> Policy:
+    """The part of ``policy`` that evicts tokens (what decoding-time compression runs)."""
+    if isinstance(policy, Composed):
+        return policy.tokens
+    if isinstance(policy, ChannelSelector):
+        raise ValueError(
+            f"decoding-time compression needs a token policy (snapkv, ada-snapkv, ...); "
+            f"{policy.name!r} only prunes channels"
+        )
+    return policy
 
 
 def _check_plan(plan: Plan, inputs: LayerInputs) -> None:
@@ -263,11 +389,27 @@ class CompressedDynamicCache(DynamicCache):
     policy : str or Policy, optional
         What to keep; overrides the policy given to :func:`kvpatch.enable`. Without either, nothing
         is compressed.
+    decode_budget : int, optional
+        Bound the cache while decoding too: once a head holds ``decode_budget + decode_interval``
+        tokens, the layer is compressed back to ``decode_budget`` tokens per head with the same
+        (token) policy. Without it, tokens generated after the prefill are all kept.
+    decode_interval : int, default 64
+        How many tokens are appended between two decoding-time compressions.
     """
 
-    def __init__(self, config=None, policy: str | Policy | None = None, **kwargs):
+    def __init__(
+        self,
+        config=None,
+        policy: str | Policy | None = None,
+        decode_budget: int | None = None,
+        decode_interval: int = 64,
+        **kwargs,
+    ):
         super().__init__(config=config, **kwargs)
         self.policy = parse_policy(policy)
+        self.decode_budget = (
+            None if decode_budget is None else DecodeBudget(decode_budget, decode_interval)
+        )
         if self.layer_class_to_replicate is not None:
             self.layer_class_to_replicate = CompressedLayer
         self.layers = [
@@ -278,7 +420,7 @@ class CompressedDynamicCache(DynamicCache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         view = view_of(keys)
         if isinstance(view, PrefillView):
-            view.policy = self.policy
+            view.policy, view.decode_budget = self.policy, self.decode_budget
         return keys, values
 
     @property

@@ -47,23 +47,36 @@ class PackedKV:
     head_dim: int
 
     @classmethod
-    def from_plan(cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan) -> PackedKV:
-        """Pack the tokens before ``plan.full_width_from`` that ``plan.keep`` keeps."""
-        b, h, _, d = keys.shape
-        end = plan.full_width_from
-        kept = plan.keep[..., :end].contiguous()
-        keys = keys[..., :end, :]
-        if plan.channels is not None:
-            index = plan.channels[:, :, None, :].expand(b, h, end, plan.channels.shape[-1])
-            keys = keys.gather(-1, index)
+    def pack(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        keep: torch.Tensor,
+        channels: torch.Tensor | None,
+        kept: torch.Tensor,
+    ) -> PackedKV:
+        """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values.
+
+        ``kept`` is the record of which logical positions those slots are.
+        """
+        b, h, slots, d = keys.shape
+        if channels is not None:
+            keys = keys.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
         return cls(
-            keys=keys[kept],
-            values=values[..., :end, :][kept],
-            lengths=kept.sum(-1),
-            channels=plan.channels,
+            keys=keys[keep],
+            values=values[keep],
+            lengths=keep.sum(-1),
+            channels=channels,
             kept=kept,
             head_dim=d,
         )
+
+    @classmethod
+    def from_plan(cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan) -> PackedKV:
+        """Pack the prefill tokens before ``plan.full_width_from`` that ``plan.keep`` keeps."""
+        end = plan.full_width_from
+        keep = plan.keep[..., :end].contiguous()
+        return cls.pack(keys[..., :end, :], values[..., :end, :], keep, plan.channels, keep)
 
     @cached_property
     def max_length(self) -> int:
@@ -97,6 +110,12 @@ class PackedKV:
             index = self.channels[:, :, None, :].expand(b, h, length, kept)
             keys = full.scatter_(-1, index, keys)
         return keys, self._padded(self.values)
+
+    def positions(self) -> torch.Tensor:
+        """Logical position of every slot of :meth:`dense`, ``[batch, kv_heads, max_length]``
+        (0 in padding slots)."""
+        flat = self.kept.nonzero()[:, -1:]  # row-major, so in packing order
+        return self._padded(flat).squeeze(-1)
 
     def select_rows(self, rows: torch.Tensor) -> PackedKV:
         """The same storage for batch rows ``rows`` (reordered, repeated or a subset)."""

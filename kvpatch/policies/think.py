@@ -35,9 +35,12 @@ class ThinK(ChannelSelector):
             raise ValueError(f"ThinK needs window >= 1, got {self.window}")
 
     def select_channels(self, inputs: LayerInputs) -> torch.Tensor:
-        window = min(self.window, inputs.num_tokens)
+        window = min(self.window, inputs.num_tokens, inputs.queries.shape[2])
         queries = inputs.grouped_queries()[..., -window:, :].float()  # [b, h, g, w, d]
-        query_energy = queries.square().mean(dim=(2, 3))  # [b, h, d]
+        real = inputs.head_valid[:, :, None, -window:, None].float()  # padding queries don't count
+        query_energy = (queries.square() * real).sum(dim=(2, 3)) / (
+            real.sum(dim=(2, 3)) * queries.shape[2]
+        ).clamp(min=1)  # [b, h, d]
         valid = inputs.head_valid[..., None].float()
         key_energy = (inputs.keys.float().square() * valid).sum(2) / valid.sum(2).clamp(min=1)
         scores = query_energy * key_energy
