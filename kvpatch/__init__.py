@@ -6,6 +6,7 @@
 """
 
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.policies import (
     TOVA,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TOVA",
     "AdaKV",
+    "CompressedContext",
     "CompressedDynamicCache",
     "CompressedLayer",
     "Knorm",
@@ -39,4 +41,5 @@ __all__ = [
     "is_enabled",
     "parse_policy",
     "policy_names",
+    "prefill",
 ]

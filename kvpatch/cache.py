@@ -44,8 +44,9 @@ class PrefillView:
 
 @dataclass(frozen=True)
 class DecodeBudget:
-    """Keep a layer bounded while decoding: once a head holds ``tokens + interval`` tokens, the
-    layer is compressed back to ``tokens`` per head with the same policy.
+    """Keep a layer bounded while decoding: once its heads hold ``tokens + interval`` tokens on
+    average, the layer is compressed back to ``tokens`` per head (on average, for head-wise
+    budgets) with the same policy.
 
     Channels chosen at the prefill stay; the policy's full-width window stays full width.
     """
@@ -239,7 +240,7 @@ class CompressedLayer(DynamicLayer):
         self.policy, self.decode_budget = policy, decode_budget
         self.scaling, self.layer_idx = inputs.scaling, inputs.layer_idx
         if decode_budget is not None:
-            token_policy_of(policy)  # fail now, not in the middle of a generation
+            _check_decode_budget(policy, decode_budget)
             self.remember_queries(inputs.queries)
 
     def remember_queries(self, queries: torch.Tensor) -> None:
@@ -253,8 +254,9 @@ class CompressedLayer(DynamicLayer):
     def _over_decode_budget(self) -> bool:
         if self.decode_budget is None:
             return False
-        held = self.packed.max_length + self.keys.shape[-2]
-        return held >= self.decode_budget.tokens + self.decode_budget.interval
+        # average over heads: head-wise budgets (AdaKV) share the layer's total unevenly
+        per_head = self.packed.lengths.float().mean(-1).max() + self.keys.shape[-2]
+        return bool(per_head >= self.decode_budget.tokens + self.decode_budget.interval)
 
     def _compress_while_decoding(self) -> None:
         """Compress everything held back to the decode budget, channels and window unchanged."""
@@ -366,6 +368,15 @@ def token_policy_of(policy: Policy) -> Policy:
     return policy
 
 
+def _check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
+    token_policy_of(policy)
+    if budget.tokens < policy.protected_tokens:
+        raise ValueError(
+            f"decode_budget={budget.tokens} is smaller than the {policy.protected_tokens} tokens "
+            f"that {policy.name!r} always keeps (its window or sinks); use a larger budget"
+        )
+
+
 def _check_plan(plan: Plan, inputs: LayerInputs) -> None:
     b, h, t, _ = inputs.keys.shape
     if plan.keep.shape != (b, h, t) or plan.keep.dtype != torch.bool:
@@ -390,9 +401,9 @@ class CompressedDynamicCache(DynamicCache):
         What to keep; overrides the policy given to :func:`kvpatch.enable`. Without either, nothing
         is compressed.
     decode_budget : int, optional
-        Bound the cache while decoding too: once a head holds ``decode_budget + decode_interval``
-        tokens, the layer is compressed back to ``decode_budget`` tokens per head with the same
-        (token) policy. Without it, tokens generated after the prefill are all kept.
+        Bound the cache while decoding too: once a layer's heads hold ``decode_budget +
+        decode_interval`` tokens on average, the layer is compressed back to ``decode_budget``
+        tokens per head with the same (token) policy. Without it, every generated token is kept.
     decode_interval : int, default 64
         How many tokens are appended between two decoding-time compressions.
     """

@@ -29,6 +29,8 @@ class Eviction:
 
 
 _evictions: dict[int, Eviction] = {}
+# when evictions change while decoding: key length at a step -> that step's evictions
+_schedule: dict[int, dict[int, Eviction]] = {}
 
 
 def evictions_of(cache) -> dict[int, Eviction]:
@@ -57,7 +59,7 @@ def oracle_attention(
     group = query.shape[1] // kv_heads
     keys, values = key.double().clone(), value.double()
     allowed = torch.ones(batch, kv_heads, length, dtype=torch.bool, device=key.device)
-    eviction = _evictions.get(module.layer_idx)
+    eviction = _schedule.get(length, _evictions).get(module.layer_idx)
     if eviction is not None and length > query.shape[2]:  # decoding after the prefill
         known = min(length, eviction.keep.shape[-1])
         allowed[..., :known] = eviction.keep[..., :known]
@@ -106,11 +108,22 @@ def greedy_logits(model, ids: torch.Tensor, cache, steps: int, tokens: torch.Ten
     return torch.stack(logits), torch.cat(fed, dim=1) if fed else ids[:, :0]
 
 
-def oracle_logits(model, ids, evictions: dict[int, Eviction], tokens: torch.Tensor):
-    """Logits of the masked full-cache model fed the same tokens."""
+def oracle_logits(
+    model,
+    ids,
+    evictions: dict[int, Eviction],
+    tokens: torch.Tensor,
+    schedule: dict[int, dict[int, Eviction]] | None = None,
+):
+    """Logits of the masked full-cache model fed the same tokens.
+
+    ``schedule`` maps a key length (a decode step) to the evictions in force at that step.
+    """
     implementation = compat.attention_implementation(model)
     _evictions.clear()
     _evictions.update(evictions)
+    _schedule.clear()
+    _schedule.update(schedule or {})
     model.set_attn_implementation(ORACLE)
     try:
         logits, _ = greedy_logits(
@@ -119,4 +132,5 @@ def oracle_logits(model, ids, evictions: dict[int, Eviction], tokens: torch.Tens
     finally:
         model.set_attn_implementation(implementation)
         _evictions.clear()
+        _schedule.clear()
     return logits

@@ -48,6 +48,10 @@ class AdaKV(Policy):
         return self.scorer.ratio
 
     @property
+    def protected_tokens(self) -> int:
+        return self.scorer.protected_tokens
+
+    @property
     def name(self) -> str:
         return f"ada-{self.scorer.name}"
 

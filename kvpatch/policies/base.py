@@ -140,6 +140,11 @@ class Policy(ABC):
     #: fraction of the cache removed; every policy has one
     ratio: float
 
+    @property
+    def protected_tokens(self) -> int:
+        """Tokens every head always keeps (a window, sinks): the smallest possible budget."""
+        return 0
+
     @abstractmethod
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         """Decide what the layer keeps; ``must_keep`` ``[batch, tokens]`` marks forced tokens."""

@@ -34,6 +34,10 @@ class Composed(Policy):
         return 1.0 - kept_tokens * (1.0 - self.channels.ratio / 2)
 
     @property
+    def protected_tokens(self) -> int:
+        return max(self.channels.window, self.tokens.protected_tokens)
+
+    @property
     def name(self) -> str:
         return f"{self.channels.name}+{self.tokens.name}"
 

@@ -38,6 +38,10 @@ class SnapKV(TokenScorer):
                 f"kernel_size={self.kernel_size}"
             )
 
+    @property
+    def protected_tokens(self) -> int:
+        return self.window
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         attention = inputs.window_attention(self.window)  # [b, h, g, w, t]
         b, h, g, w, t = attention.shape

@@ -31,6 +31,10 @@ class StreamingLLM(TokenScorer):
         if self.n_sink < 0:
             raise ValueError(f"StreamingLLM needs n_sink >= 0, got {self.n_sink}")
 
+    @property
+    def protected_tokens(self) -> int:
+        return self.n_sink
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         valid = inputs.head_valid
         rank = valid.long().cumsum(-1) - 1  # position among the head's real tokens

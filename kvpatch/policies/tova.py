@@ -27,6 +27,10 @@ class TOVA(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
 
+    @property
+    def protected_tokens(self) -> int:
+        return 1
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         attention = inputs.window_attention(1)[..., 0, :]  # [b, h, g, t]
         scores = attention.mean(dim=(1, 2), keepdim=True).squeeze(2)  # [b, 1, t]
