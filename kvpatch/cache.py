@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch import compat
+from kvpatch.buffer import GrowingBuffer
 from kvpatch.packed import PackedKV, storage_nbytes
 from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Plan, Policy, parse_policy
 
@@ -100,10 +101,14 @@ class CompressedLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        compat.clear_layer(self)
         self._clear()
 
     def _clear(self) -> None:
         self.packed: PackedKV | None = None
+        # once compressed: the tail, preceded by the packed tokens when those are stored dense
+        self.block_keys: GrowingBuffer | None = None
+        self.block_values: GrowingBuffer | None = None
         self.tail_start = 0
         self.tail_valid: torch.Tensor | None = None  # [batch, tail], False for padding
         self.seen = 0
@@ -136,16 +141,11 @@ class CompressedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first_forward = self.seen == 0
-        if self.packed is not None and self._over_decode_budget():
-            self._compress_while_decoding()
         self.seen += key_states.shape[-2]
+        if self.packed is not None:
+            return self._append_compressed(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if self.packed is not None:
-            valid = self.tail_valid.new_ones(key_states.shape[0], key_states.shape[-2])
-            self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
-            self._bound_key_norms(key_states)
-            return self._dense_view()
         if first_forward and not self.passthrough:
             self.awaiting_compression = True
             return mark(self.keys, PrefillView(self)), self.values
@@ -163,6 +163,7 @@ class CompressedLayer(DynamicLayer):
     get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
+        compat.clear_layer(self)
         super().reset()
         self._clear()
 
@@ -170,16 +171,21 @@ class CompressedLayer(DynamicLayer):
         remove = compat.tokens_to_remove(tokens_to_remove, self.seen)
         if remove == 0:
             return
-        if self.packed is not None and remove > self.keys.shape[-2]:
+        if self.packed is None:
+            self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - remove, :]
+            self.seen -= remove
+            return
+        if remove > self.tail_length:
             raise ValueError(
-                f"cannot crop {remove} tokens: only the {self.keys.shape[-2]} tokens after the "
+                f"cannot crop {remove} tokens: only the {self.tail_length} tokens after the "
                 "compressed part of the cache can be removed"
             )
-        self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
-        self.values = self.values[..., : self.values.shape[-2] - remove, :]
-        if self.tail_valid is not None:
-            self.tail_valid = self.tail_valid[:, : self.keys.shape[-2]]
         self.seen -= remove
+        for block in (self.block_keys, self.block_values):
+            block.truncate(block.length - remove)
+        self.tail_valid = self.tail_valid[:, : self.tail_length]
+        self._expose_tail()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -195,9 +201,13 @@ class CompressedLayer(DynamicLayer):
         indices = indices.to(self.keys.device)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
-        self.keys = self.keys[indices]
-        self.values = self.values[indices]
-        if self.packed is not None:
+        if self.packed is None:
+            self.keys = self.keys[indices]
+            self.values = self.values[indices]
+        else:
+            self.block_keys.select_rows(indices)
+            self.block_values.select_rows(indices)
+            self._expose_tail()
             self.packed = self.packed.select_rows(indices)
             self.key_norm_bound = self.key_norm_bound[indices]
             self.tail_valid = self.tail_valid[indices]
@@ -205,14 +215,22 @@ class CompressedLayer(DynamicLayer):
                 self.recent_queries = self.recent_queries[indices]
 
     def offload(self):
-        super().offload()
-        if self.packed is not None:
-            self.packed = self.packed.to("cpu")
+        self._move("cpu")
 
     def prefetch(self):
-        super().prefetch()
-        if self.packed is not None and self.packed.keys.device != self.device:
-            self.packed = self.packed.to(self.device)
+        if self.is_initialized and self.keys.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        if self.packed is None:
+            if self.is_initialized:
+                self.keys = self.keys.to(device, non_blocking=True)
+                self.values = self.values.to(device, non_blocking=True)
+            return
+        self.block_keys.to(device)
+        self.block_values.to(device)
+        self.packed = self.packed.to(device)
+        self._expose_tail()
 
     # -- compression ---------------------------------------------------------------------------
 
@@ -229,19 +247,71 @@ class CompressedLayer(DynamicLayer):
             return
         plan = policy.plan(inputs)
         _check_plan(plan, inputs)
-        self.packed = PackedKV.from_plan(self.keys, self.values, plan)
-        self.tail_start = plan.full_width_from
-        self.tail_valid = inputs.head_valid[:, 0, self.tail_start :].clone()
-        self.keys = self.keys[..., self.tail_start :, :].clone()
-        self.values = self.values[..., self.tail_start :, :].clone()
-        self.key_norm_bound = torch.zeros(self.packed.lengths.shape, device=self.device)
-        self._bound_key_norms(self.packed.dense()[0])
-        self._bound_key_norms(self.keys)
+        start = plan.full_width_from
+        self._store(
+            PackedKV.from_plan(self.keys, self.values, plan),
+            self.keys[..., start:, :],
+            self.values[..., start:, :],
+            tail_start=start,
+            tail_valid=inputs.head_valid[:, 0, start:],
+        )
         self.policy, self.decode_budget = policy, decode_budget
         self.scaling, self.layer_idx = inputs.scaling, inputs.layer_idx
         if decode_budget is not None:
             _check_decode_budget(policy, decode_budget)
             self.remember_queries(inputs.queries)
+
+    def _store(
+        self,
+        packed: PackedKV,
+        tail_keys: torch.Tensor,
+        tail_values: torch.Tensor,
+        tail_start: int,
+        tail_valid: torch.Tensor,
+    ) -> None:
+        """Hold ``packed`` and a full-width tail starting at logical position ``tail_start``.
+
+        Heads of equal length without pruned channels need no packing: their tokens go, dense,
+        at the front of the tail's buffer, so the attention view costs no copy.
+        """
+        b, h = packed.lengths.shape
+        self.key_norm_bound = packed.max_key_norms()
+        if packed.is_uniform and packed.channels is None:
+            length = packed.max_length
+            tail_keys = torch.cat([packed.keys.view(b, h, length, -1), tail_keys], dim=-2)
+            tail_values = torch.cat([packed.values.view(b, h, length, -1), tail_values], dim=-2)
+            packed = packed.without_data()
+        self.packed = packed
+        self.block_keys = GrowingBuffer(tail_keys.contiguous().clone())
+        self.block_values = GrowingBuffer(tail_values.contiguous().clone())
+        self.tail_start, self.tail_valid = tail_start, tail_valid.clone()
+        self._bound_key_norms(self.block_keys.view())
+        self._expose_tail()
+
+    @property
+    def tail_length(self) -> int:
+        """Tokens held at full width after the compressed part (logical positions from
+        ``tail_start``)."""
+        return self.seen - self.tail_start
+
+    def _expose_tail(self) -> None:
+        """``keys``/``values`` show the tail, as transformers' code expects them to exist."""
+        keys, values = self.block_keys.view(), self.block_values.view()
+        start = keys.shape[-2] - self.tail_length
+        self.keys, self.values = keys[..., start:, :], values[..., start:, :]
+
+    def _append_compressed(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if self._over_decode_budget():
+            self.seen -= key_states.shape[-2]  # compress what was held before these tokens
+            self._compress_while_decoding()
+            self.seen += key_states.shape[-2]
+        self.block_keys.append(key_states)
+        self.block_values.append(value_states)
+        valid = self.tail_valid.new_ones(key_states.shape[0], key_states.shape[-2])
+        self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
+        self._bound_key_norms(key_states)
+        self._expose_tail()
+        return self._dense_view()
 
     def remember_queries(self, queries: torch.Tensor) -> None:
         """Keep the last queries, which decoding-time compression scores with."""
@@ -255,7 +325,7 @@ class CompressedLayer(DynamicLayer):
         if self.decode_budget is None:
             return False
         # average over heads: head-wise budgets (AdaKV) share the layer's total unevenly
-        per_head = self.packed.lengths.float().mean(-1).max() + self.keys.shape[-2]
+        per_head = self.packed.lengths.float().mean(-1).max() + self.tail_length
         return bool(per_head >= self.decode_budget.tokens + self.decode_budget.interval)
 
     def _compress_while_decoding(self) -> None:
@@ -274,7 +344,7 @@ class CompressedLayer(DynamicLayer):
         positions = torch.cat([self.packed.positions(), tail_positions.expand(b, h, -1)], -1)
         full_width = 0
         if self.packed.channels is not None:
-            full_width = min(self.policy.channels.window, self.keys.shape[-2])
+            full_width = min(self.policy.channels.window, self.tail_length)
         cut = slots - full_width
         must_keep = None
         if full_width:
@@ -294,13 +364,11 @@ class CompressedLayer(DynamicLayer):
         new_tail_start = self.seen - full_width
         record = torch.zeros(b, h, new_tail_start, dtype=torch.int8, device=keys.device)
         record.scatter_add_(-1, positions[..., :cut], keep.to(torch.int8))
-        self.packed = PackedKV.pack(
+        packed = PackedKV.pack(
             keys[..., :cut, :], values[..., :cut, :], keep, self.packed.channels, record > 0
         )
-        self.keys = keys[..., cut:, :].clone()
-        self.values = values[..., cut:, :].clone()
-        self.tail_valid = self.tail_valid[:, self.tail_valid.shape[-1] - full_width :].clone()
-        self.tail_start = new_tail_start
+        tail_valid = self.tail_valid[:, self.tail_valid.shape[-1] - full_width :]
+        self._store(packed, keys[..., cut:, :], values[..., cut:, :], new_tail_start, tail_valid)
 
     def _bound_key_norms(self, keys: torch.Tensor) -> None:
         if keys.shape[-2]:
@@ -308,10 +376,16 @@ class CompressedLayer(DynamicLayer):
             self.key_norm_bound = torch.maximum(self.key_norm_bound, norms)
 
     def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed block (padded per head, pruned channels as zeros) followed by the tail."""
-        packed_keys, packed_values = self.packed.dense()
-        keys = torch.cat([packed_keys, self.keys], dim=-2)
-        values = torch.cat([packed_values, self.values], dim=-2)
+        """Packed tokens (padded per head, pruned channels as zeros) followed by the tail."""
+        if self.packed.keys is None:  # stored dense already
+            return self.block_keys.view(), self.block_values.view()
+        b, h = self.packed.lengths.shape
+        length, tail = self.packed.max_length, self.tail_length
+        keys = self.keys.new_empty(b, h, length + tail, self.packed.head_dim)
+        values = self.values.new_empty(b, h, length + tail, self.values.shape[-1])
+        self.packed.dense_into(keys[:, :, :length], values[:, :, :length])
+        keys[:, :, length:] = self.keys
+        values[:, :, length:] = self.values
         return keys, values
 
     def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,8 +426,9 @@ class CompressedLayer(DynamicLayer):
             return 0
         if self.packed is None:
             return storage_nbytes(self.keys, self.values)
+        blocks = (self.block_keys.data, self.block_values.data)
         extra = (self.key_norm_bound, self.tail_valid, self.recent_queries)
-        return storage_nbytes(self.keys, self.values, *extra) + self.packed.nbytes()
+        return storage_nbytes(*blocks, *extra) + self.packed.nbytes()
 
 
 def token_policy_of(policy: Policy) -> Policy:
@@ -444,7 +519,7 @@ class CompressedDynamicCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 total += layer.nbytes()
-            elif getattr(layer, "is_initialized", False):
+            elif compat.layer_is_initialized(layer):
                 total += storage_nbytes(layer.keys, layer.values)
         return total
 

@@ -41,6 +41,25 @@ def tokens_to_remove(argument: int, seen: int) -> int:
     return max(seen - argument, 0)
 
 
+def clear_layer(layer) -> None:
+    """Make a cache layer empty and uninitialized.
+
+    ``is_initialized`` exists from 4.57 (4.56's layers only test ``keys is None``), and before 5.24
+    ``CacheLayerMixin.reset`` zeroes the tensors in place instead of dropping them, which would leave
+    a stale tail in a layer whose ``update`` concatenates.
+    """
+    layer.keys = layer.values = None
+    layer.is_initialized = False
+
+
+def layer_is_initialized(layer) -> bool:
+    """Whether a stock cache layer holds tensors (4.56's layers have no ``is_initialized``)."""
+    flag = getattr(layer, "is_initialized", None)
+    if flag is None:
+        return getattr(layer, "keys", None) is not None
+    return bool(flag)
+
+
 def original_attention(backend: str, module: torch.nn.Module) -> Callable:
     """The stock attention function for ``backend`` as the model's own code would call it.
 

@@ -31,16 +31,17 @@ class PackedKV:
 
     Attributes
     ----------
-    keys : ``[total_kept, kept_channels]``
-    values : ``[total_kept, v_head_dim]``
+    keys : ``[total_kept, kept_channels]``, or None when the layer keeps them elsewhere (uniform
+        full-width heads are stored as one dense block with the tail)
+    values : ``[total_kept, v_head_dim]``, or None likewise
     lengths : long ``[batch, kv_heads]``, tokens held by each head
     channels : long ``[batch, kv_heads, kept_channels]`` or None when every channel is kept
     kept : bool ``[batch, kv_heads, positions]``, which of the compressed positions each head holds
     head_dim : full key width, to re-insert pruned channels
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     lengths: torch.Tensor
     channels: torch.Tensor | None
     kept: torch.Tensor
@@ -87,29 +88,52 @@ class PackedKV:
         """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
         return bool((self.lengths == self.lengths.flatten()[0]).all())
 
-    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
+    def _padded(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Lay ``flat`` rows out as ``[batch, kv_heads, max_length, dim]``, zero after each head."""
         b, h = self.lengths.shape
         length, dim = self.max_length, flat.shape[-1]
         if self.is_uniform:
-            return flat.view(b, h, length, dim)
+            grid = flat.view(b, h, length, dim)
+            return grid if out is None else out.copy_(grid)
         counts = self.lengths.flatten()
         head = torch.repeat_interleave(torch.arange(b * h, device=flat.device), counts)
         starts = counts.cumsum(0) - counts
         slot = torch.arange(flat.shape[0], device=flat.device) - starts[head]
-        out = flat.new_zeros(b * h * length, dim)
-        out.index_copy_(0, head * length + slot, flat)
-        return out.view(b, h, length, dim)
+        out = flat.new_zeros(b, h, length, dim) if out is None else out.zero_()
+        out.index_put_((head // h, head % h, slot), flat)  # ``out`` may be a strided slice
+        return out
+
+    def dense_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write :meth:`dense` into ``keys`` ``[b, h, max_length, head_dim]`` and ``values``."""
+        if self.channels is None:
+            self._padded(self.keys, keys)
+        else:
+            pruned = self._padded(self.keys)
+            index = self.channels[:, :, None, :].expand_as(pruned)
+            keys.zero_().scatter_(-1, index, pruned)
+        self._padded(self.values, values)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys at full width (pruned channels as zeros) and values, padded per head with zeros."""
-        keys = self._padded(self.keys)
-        if self.channels is not None:
-            b, h, length, kept = keys.shape
-            full = keys.new_zeros(b, h, length, self.head_dim)
-            index = self.channels[:, :, None, :].expand(b, h, length, kept)
-            keys = full.scatter_(-1, index, keys)
-        return keys, self._padded(self.values)
+        b, h = self.lengths.shape
+        keys = self.keys.new_empty(b, h, self.max_length, self.head_dim)
+        values = self.values.new_empty(b, h, self.max_length, self.values.shape[-1])
+        self.dense_into(keys, values)
+        return keys, values
+
+    def max_key_norms(self) -> torch.Tensor:
+        """Largest key norm held by each head, ``[batch, kv_heads]`` (0 for an empty head)."""
+        b, h = self.lengths.shape
+        norms = self.keys.float().norm(dim=-1)
+        head = torch.repeat_interleave(
+            torch.arange(b * h, device=norms.device), self.lengths.flatten()
+        )
+        bound = norms.new_zeros(b * h).scatter_reduce_(0, head, norms, "amax")
+        return bound.view(b, h)
+
+    def without_data(self) -> PackedKV:
+        """The same bookkeeping with the keys and values kept elsewhere."""
+        return PackedKV(None, None, self.lengths, self.channels, self.kept, self.head_dim)
 
     def positions(self) -> torch.Tensor:
         """Logical position of every slot of :meth:`dense`, ``[batch, kv_heads, max_length]``
@@ -126,8 +150,8 @@ class PackedKV:
         offset = torch.repeat_interleave(starts[rows] - (counts.cumsum(0) - counts), counts)
         index = torch.arange(int(counts.sum()), device=rows.device) + offset
         return PackedKV(
-            keys=self.keys[index],
-            values=self.values[index],
+            keys=None if self.keys is None else self.keys[index],
+            values=None if self.values is None else self.values[index],
             lengths=self.lengths[rows],
             channels=None if self.channels is None else self.channels[rows],
             kept=self.kept[rows],

@@ -1,0 +1,42 @@
+"""A ``[batch, heads, length, dim]`` tensor that grows along ``length`` with spare room.
+
+Appending to a plain tensor with ``torch.cat`` copies the whole cache at every decoded token;
+appending here copies the new token only, and the buffer is re-allocated once every
+``max(CHUNK, length / 8)`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 128
+
+
+class GrowingBuffer:
+    """Storage whose first ``length`` positions along dim 2 hold data."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.length = data.shape[2]
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, :, : self.length]
+
+    def append(self, states: torch.Tensor) -> None:
+        end = self.length + states.shape[2]
+        if end > self.data.shape[2]:
+            capacity = end + max(CHUNK, end // 8)
+            grown = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[3])
+            grown[:, :, : self.length] = self.view()
+            self.data = grown
+        self.data[:, :, self.length : end] = states
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.data = self.view()[rows]
+
+    def to(self, device: torch.device | str) -> None:
+        self.data = self.data.to(device, non_blocking=True)
