@@ -81,3 +81,16 @@ def test_more_queries_than_dimensions_are_zero_wherever_ok(n):
     weights = (queries @ with_fake.transpose(-1, -2) * scaling).softmax(-1)[..., -1]
     assert ok.any()
     assert (weights[ok] == 0).all()
+
+
+def test_nearly_opposite_queries_still_get_a_fake_key():
+    """Queries 170 degrees apart defeat the mean-direction shortcut; the exact solve succeeds."""
+    angle = torch.tensor(170.0).deg2rad()
+    q = torch.zeros(1, 1, 2, 64)
+    q[0, 0, 0, 0] = 4.0
+    q[0, 0, 1, 0], q[0, 0, 1, 1] = 4.0 * angle.cos(), 4.0 * angle.sin()
+    keys = torch.randn(1, 1, 10, 64)
+    fake, ok = fake_keys(q, keys.norm(dim=-1).amax(-1), 0.125, torch.float32)
+    assert ok.all()
+    with_fake = torch.cat([keys, fake[:, :, None, :]], dim=2)
+    assert ((q @ with_fake.transpose(-1, -2) * 0.125).softmax(-1)[..., -1] == 0).all()
