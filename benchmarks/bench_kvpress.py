@@ -1,0 +1,132 @@
+"""The same measurements as bench_cache.py, for kvpress's presses (https://github.com/NVIDIA/kvpress).
+
+kvpress needs transformers < 5.3, so run this from its own virtualenv and compare its ratios
+(against DynamicCache in that same environment) with bench_cache.py's:
+
+    python -m venv /tmp/kvpress-env
+    /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress
+    /tmp/kvpress-env/bin/python benchmarks/bench_kvpress.py --contexts 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cache import FULL, build_model, spread
+
+POLICIES = [
+    "snapkv:0.5",
+    "snapkv:0.75",
+    "ada-snapkv:0.5",
+    "ada-snapkv:0.75",
+    "think:0.5+snapkv:0.75",
+]
+
+
+def make_press(policy: str):
+    from kvpress import AdaKVPress, ComposedPress, SnapKVPress, ThinKPress
+
+    ratio = float(policy.rsplit(":", 1)[1])
+    snapkv = SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5)
+    if policy.startswith("ada-snapkv"):
+        return AdaKVPress(snapkv)
+    if policy.startswith("think"):
+        return ComposedPress(
+            [ThinKPress(key_channel_compression_ratio=0.5, window_size=32), snapkv]
+        )
+    return snapkv
+
+
+def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
+    import contextlib
+
+    from transformers import DynamicCache
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    model = build_model()
+    cache = DynamicCache(config=model.config)
+    press = contextlib.nullcontext() if policy == FULL else make_press(policy)(model)
+    ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
+    steps = []
+    with torch.inference_mode():
+        start = time.perf_counter()
+        with press:
+            out = model(ids, past_key_values=cache)
+        prefill = time.perf_counter() - start
+        held = sum(
+            layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+            for layer in cache.layers
+        )
+        for _ in range(decode_tokens):
+            token = out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            out = model(token, past_key_values=cache)
+            steps.append(time.perf_counter() - start)
+    return {
+        "policy": policy,
+        "context": context,
+        "kv_bytes": held,
+        "prefill_s": prefill,
+        "decode_s": statistics.median(steps[1:] or steps),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        policy, context, decode_tokens, threads = args.child
+        print(json.dumps(measure(policy, int(context), int(decode_tokens), int(threads))))
+        return
+    print(
+        f"{'context':>7} {'kvpress':<24} {'KV MB':>8} {'KV/full':>8} {'prefill/full':>13} "
+        f"{'decode/full':>12} {'decode ms':>10}"
+    )
+    for context in args.contexts:
+        measured: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):
+            for policy in [FULL, *args.policies]:
+                child = [policy, str(context), str(args.decode_tokens), str(args.threads)]
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", *child],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                measured.setdefault(policy, []).append(json.loads(out.strip().splitlines()[-1]))
+        full = measured[FULL]
+        full_prefill = statistics.median(r["prefill_s"] for r in full)
+        full_decode = statistics.median(r["decode_s"] for r in full)
+        for policy, results in measured.items():
+            prefill = [r["prefill_s"] / full_prefill for r in results]
+            decode = [r["decode_s"] / full_decode for r in results]
+            kv = results[0]["kv_bytes"]
+            print(
+                f"{context:>7} {policy:<24} {kv / 2**20:>8.1f} {kv / full[0]['kv_bytes']:>8.3f} "
+                f"{statistics.median(prefill):>7.2f} {spread(prefill):>5} "
+                f"{statistics.median(decode):>6.2f} {spread(decode):>5} "
+                f"{statistics.median(r['decode_s'] for r in results) * 1e3:>10.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
