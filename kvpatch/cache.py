@@ -278,8 +278,10 @@ class CompressedLayer(DynamicLayer):
         self.key_norm_bound = packed.max_key_norms()
         if packed.is_uniform and packed.channels is None:
             length = packed.max_length
-            tail_keys = torch.cat([packed.keys.view(b, h, length, -1), tail_keys], dim=-2)
-            tail_values = torch.cat([packed.values.view(b, h, length, -1), tail_values], dim=-2)
+            dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
+            dense_values = packed.values.view(b, h, length, packed.values.shape[-1])
+            tail_keys = torch.cat([dense_keys, tail_keys], dim=-2)
+            tail_values = torch.cat([dense_values, tail_values], dim=-2)
             packed = packed.without_data()
         self.packed = packed
         self.block_keys = GrowingBuffer(tail_keys.contiguous().clone())
@@ -383,7 +385,7 @@ class CompressedLayer(DynamicLayer):
         length, tail = self.packed.max_length, self.tail_length
         keys = self.keys.new_empty(b, h, length + tail, self.packed.head_dim)
         values = self.values.new_empty(b, h, length + tail, self.values.shape[-1])
-        self.packed.dense_into(keys[:, :, :length], values[:, :, :length])
+        self.packed.write_into(keys, values)
         keys[:, :, length:] = self.keys
         values[:, :, length:] = self.values
         return keys, values

@@ -47,6 +47,14 @@ class PackedKV:
     kept: torch.Tensor
     head_dim: int
 
+    def destinations(self, width: int) -> torch.Tensor:
+        """Flat index of each packed row in a padded ``[batch * kv_heads * width]`` grid."""
+        counts = self.lengths.flatten()
+        heads = torch.arange(counts.numel(), device=counts.device)
+        row_start = heads * width - (counts.cumsum(0) - counts)
+        rows = torch.repeat_interleave(row_start, counts, output_size=self.keys.shape[0])
+        return rows + torch.arange(self.keys.shape[0], device=counts.device)
+
     @classmethod
     def pack(
         cls,
@@ -88,37 +96,45 @@ class PackedKV:
         """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
         return bool((self.lengths == self.lengths.flatten()[0]).all())
 
-    def _padded(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Lay ``flat`` rows out as ``[batch, kv_heads, max_length, dim]``, zero after each head."""
         b, h = self.lengths.shape
         length, dim = self.max_length, flat.shape[-1]
         if self.is_uniform:
-            grid = flat.view(b, h, length, dim)
-            return grid if out is None else out.copy_(grid)
-        counts = self.lengths.flatten()
-        head = torch.repeat_interleave(torch.arange(b * h, device=flat.device), counts)
-        starts = counts.cumsum(0) - counts
-        slot = torch.arange(flat.shape[0], device=flat.device) - starts[head]
-        out = flat.new_zeros(b, h, length, dim) if out is None else out.zero_()
-        out.index_put_((head // h, head % h, slot), flat)  # ``out`` may be a strided slice
-        return out
+            return flat.view(b, h, length, dim)
+        grid = flat.new_zeros(b * h * length, dim)
+        return grid.index_copy_(0, self.destinations(length), flat).view(b, h, length, dim)
 
-    def dense_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write :meth:`dense` into ``keys`` ``[b, h, max_length, head_dim]`` and ``values``."""
-        if self.channels is None:
-            self._padded(self.keys, keys)
+    def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the padded, full-width layout into the first ``max_length`` positions of
+        contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
+        length = self.max_length
+        width = keys.shape[2]
+        if self.is_uniform:
+            packed_keys = self._padded(self.keys)
+            values[:, :, :length] = self._padded(self.values)
         else:
-            pruned = self._padded(self.keys)
-            index = self.channels[:, :, None, :].expand_as(pruned)
-            keys.zero_().scatter_(-1, index, pruned)
-        self._padded(self.values, values)
+            dest = self.destinations(width)
+            values[:, :, :length] = 0
+            values.view(-1, values.shape[-1]).index_copy_(0, dest, self.values)
+            if self.channels is None:
+                keys[:, :, :length] = 0
+                keys.view(-1, keys.shape[-1]).index_copy_(0, dest, self.keys)
+                return
+            packed_keys = self._padded(self.keys)
+        if self.channels is None:
+            keys[:, :, :length] = packed_keys
+        else:
+            index = self.channels[:, :, None, :].expand_as(packed_keys)
+            keys[:, :, :length] = 0
+            keys[:, :, :length].scatter_(-1, index, packed_keys)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys at full width (pruned channels as zeros) and values, padded per head with zeros."""
         b, h = self.lengths.shape
         keys = self.keys.new_empty(b, h, self.max_length, self.head_dim)
         values = self.values.new_empty(b, h, self.max_length, self.values.shape[-1])
-        self.dense_into(keys, values)
+        self.write_into(keys, values)
         return keys, values
 
     def max_key_norms(self) -> torch.Tensor:

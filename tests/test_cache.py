@@ -105,3 +105,29 @@ def test_crop_only_inside_the_tail():
     assert cache.get_seq_length() == 301 and layer.keys.shape[-2] == tail - 2
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(-(tail + 5))
+
+
+def test_plan_that_keeps_everything_at_full_width():
+    """A plan whose full-width window covers the whole prefill packs nothing and still works."""
+    from kvpatch.policies import LayerInputs, TokenScorer
+
+    class KeepAllFullWidth(TokenScorer):
+        ratio = 0.0
+        name = "all-full-width"
+
+        def score(self, inputs: LayerInputs) -> torch.Tensor:
+            return torch.zeros(inputs.keys.shape[:3])
+
+        def plan(self, inputs, must_keep=None):
+            plan = super().plan(inputs, must_keep)
+            return Plan(plan.keep, None, full_width_from=0)
+
+    model = make_model("llama")
+    with kvpatch.enabled(model, KeepAllFullWidth()):
+        cache = CompressedDynamicCache(config=model.config)
+        logits, _ = greedy_logits(model, prompt(50), cache, 3)
+    from transformers import DynamicCache
+
+    reference, _ = greedy_logits(model, prompt(50), DynamicCache(config=model.config), 3)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    assert cache.layers[0].tail_start == 0 and cache.get_seq_length() == 53
