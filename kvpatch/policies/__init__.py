@@ -23,13 +23,15 @@ from kvpatch.policies.compose import Composed, compose
 from kvpatch.policies.knorm import Knorm
 from kvpatch.policies.random import RandomScorer
 from kvpatch.policies.snapkv import SnapKV
+from kvpatch.policies.spans import Spans, SpanSnapKV, SpanTOVA
 from kvpatch.policies.streamingllm import StreamingLLM
 from kvpatch.policies.think import ThinK
 from kvpatch.policies.tova import TOVA
 
 #: token scorers by name; each also exists as ``ada-<name>``
 TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
-    cls.name: cls for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer)
+    cls.name: cls
+    for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer, SpanSnapKV, SpanTOVA)
 }
 #: channel selectors by name
 CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
@@ -102,6 +104,9 @@ __all__ = [
     "Policy",
     "RandomScorer",
     "SnapKV",
+    "SpanSnapKV",
+    "SpanTOVA",
+    "Spans",
     "StreamingLLM",
     "ThinK",
     "TokenScorer",

@@ -1,0 +1,3 @@
+from kvpatch.eval.cli import main
+
+raise SystemExit(main())

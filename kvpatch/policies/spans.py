@@ -1,0 +1,107 @@
+"""Keep whole spans: a token inherits the score of a high-scoring token just before it.
+
+Attention-based scorers (SnapKV, TOVA) score a token by the attention the prompt's last queries pay
+it. A multi-token answer such as a 6-digit number ``8 2 7 3 8 0`` is attended that way only up to
+its first tokens: the question's queries look for *where* the number is (``... for {key} is: 8``),
+and the later digits are attended only while decoding them, one after the other, when they are
+already gone. With spans, each token's score is the largest score within ``after`` tokens before
+it (and ``before`` tokens after it), so the tokens following a retrieved token are kept with it.
+The budget is unchanged: the same number of tokens is kept, chosen from the spread scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpatch.policies.base import LayerInputs, TokenScorer
+from kvpatch.policies.snapkv import SnapKV
+from kvpatch.policies.tova import TOVA
+
+
+def spread_scores(
+    scores: torch.Tensor, valid: torch.Tensor, after: int = 8, before: int = 0
+) -> torch.Tensor:
+    """``out[..., i] = max(scores[..., i - after : i + before + 1])`` over real tokens.
+
+    ``scores`` is ``[..., tokens]``; ``+inf`` marks protected tokens, which stay ``+inf`` but do not
+    spread (a window would otherwise grow). Padding (``valid`` False) neither gives nor gets a
+    score (it is masked later anyway).
+    """
+    if after < 0 or before < 0:
+        raise ValueError(f"span widths must be >= 0, got after={after}, before={before}")
+    scores = scores.float()
+    protected = torch.isposinf(scores)
+    source = scores.masked_fill(protected | ~valid, float("-inf"))
+    if after or before:
+        padded = F.pad(source, (after, before), value=float("-inf"))
+        source = padded.unfold(-1, after + before + 1, 1).amax(-1)
+    # a token with no scored neighbour at all keeps its own score
+    source = torch.where(torch.isneginf(source), scores, source)
+    return source.masked_fill(protected, float("inf"))
+
+
+@dataclass
+class Spans(TokenScorer):
+    """Wrap any token scorer: a token's score is the best score of the ``after`` tokens before it
+    (and ``before`` after it). ``ratio`` is the wrapped scorer's.
+
+    Parameters
+    ----------
+    scorer : TokenScorer
+    after : int, default 8
+        How far a high score carries forward (the rest of a number, a name, a short value).
+    before : int, default 0
+        How far it carries backward.
+    """
+
+    scorer: TokenScorer
+    after: int = 8
+    before: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scorer, TokenScorer):
+            raise ValueError(f"Spans wraps a token scorer, got {type(self.scorer).__name__}")
+        if self.after < 0 or self.before < 0:
+            raise ValueError(f"span widths must be >= 0, got {self.after=}, {self.before=}")
+
+    @property
+    def ratio(self) -> float:
+        return self.scorer.ratio
+
+    @property
+    def name(self) -> str:
+        return f"span-{self.scorer.name}"
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.scorer.protected_tokens
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        return spread_scores(self.scorer.score(inputs), inputs.head_valid, self.after, self.before)
+
+
+@dataclass
+class SpanSnapKV(SnapKV):
+    """SnapKV whose scores spread ``after`` tokens forward (``span-snapkv`` in policy strings)."""
+
+    after: int = 8
+    before: int = 0
+    name = "span-snapkv"
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        return spread_scores(super().score(inputs), inputs.head_valid, self.after, self.before)
+
+
+@dataclass
+class SpanTOVA(TOVA):
+    """TOVA whose scores spread ``after`` tokens forward (``span-tova`` in policy strings)."""
+
+    after: int = 8
+    before: int = 0
+    name = "span-tova"
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        return spread_scores(super().score(inputs), inputs.head_valid, self.after, self.before)

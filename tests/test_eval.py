@@ -1,0 +1,83 @@
+"""The evaluation harness end to end on a tiny random model (no download)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+
+import pytest
+
+from kvpatch.eval import EvalConfig, make_sample, run_eval, with_ratio
+from kvpatch.eval.cli import main
+from kvpatch.eval.tasks import TASKS, ByteCodec
+
+
+def test_tasks_hide_their_answers_where_they_say():
+    codec = ByteCodec()
+    for task in TASKS:
+        sample = make_sample(task, codec, 600, random.Random(0))
+        ids = sample.input_ids.tolist()
+        assert abs(len(ids) - 600) <= 30
+        assert len(sample.answers) == {"single": 1, "multikey": 1, "multivalue": 4}[task]
+        for answer, span in zip(sample.answers, sample.needle_spans, strict=True):
+            assert codec.decode([ids[i] for i in span]) == answer
+        text = codec.decode(ids)
+        assert text.count("One of the special magic numbers for") == {"single": 1}.get(task, 4)
+        assert sample.score(" ".join(sample.answers)) == 1.0 and sample.score("nothing") == 0.0
+
+
+def test_policy_sweep_fills_missing_ratios():
+    assert with_ratio("snapkv", 0.75) == "snapkv:0.75"
+    assert with_ratio("think:0.5+snapkv", 0.25) == "think:0.5+snapkv:0.25"
+    with pytest.raises(ValueError, match="unknown policy"):
+        EvalConfig(policies=["snapvk"], model="tiny")
+
+
+def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    output = tmp_path / "out"
+    code = main(
+        [
+            "--model", "tiny", "--policies", "snapkv", "--ratios", "0.5", "--samples", "1",
+            "--context-tokens", "200", "--output", str(output), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| single | prefill | full | 0 |" in printed
+    assert "| single | agnostic | snapkv | 0.5 |" in printed
+    with open(output / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], r["policy"]) for r in rows] == [
+        ("prefill", "full"), ("prefill", "snapkv"), ("agnostic", "full"), ("agnostic", "snapkv"),
+    ]  # fmt: skip
+    for row in rows:
+        assert 0.0 <= float(row["accuracy"]) <= 1.0 and float(row["prefill_s"]) > 0
+    full, snap = float(rows[0]["kv_mb"]), float(rows[1]["kv_mb"])
+    assert snap < 0.6 * full
+    result = json.loads((output / "results.json").read_text())
+    assert len(result["records"]) == 4 and result["config"]["model"] == "tiny"
+    assert (output / "results.md").read_text().startswith("| task |")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib is not installed: no plot")
+    assert (output / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_prefill_matches_separate_prefills(tmp_path):
+    """One recorded prefill per sample gives every policy the cache its own prefill would."""
+    common = dict(
+        model="tiny", policies=["snapkv", "think:0.5+ada-snapkv"], ratios=[0.75],
+        tasks=["single"], samples=1, context_tokens=160, digits=3, plot=False, progress=False,
+    )  # fmt: skip
+    shared = run_eval(EvalConfig(**common, output=str(tmp_path / "a")))
+    separate = run_eval(EvalConfig(**common, shared_prefill=False, output=str(tmp_path / "b")))
+    key = lambda r: (r["mode"], r["spec"])
+    a = {key(r): r for r in shared["records"]}
+    b = {key(r): r for r in separate["records"]}
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k]["answer"] == b[k]["answer"], k
+        assert a[k]["kv_bytes"] == b[k]["kv_bytes"], k
+        assert a[k]["needle_survival"] == b[k]["needle_survival"], k
