@@ -25,28 +25,36 @@ def query_length(query) -> int:
     return int(query)
 
 
-# From 5.15 ``crop`` takes only ``-n`` (remove n tokens; 0 removes nothing); before, a
-# non-negative argument was the length to keep.
-_CROP_TAKES_ONLY_NEGATIVE = TRANSFORMERS_VERSION >= Version("5.15")
+# ``crop(n)`` on a dynamic layer, read in each release's cache_utils.py:
+#   4.56-5.13  n < 0 removes -n tokens; n >= 0 is the length to keep (crop(0) empties the layer)
+#   5.14       the same, except that crop(0) removes nothing
+#   5.15-5.19  the argument is renamed tokens_to_remove; n > 0 (the length to keep) is deprecated
+#   5.20+      n > 0 raises ValueError; only n <= 0 (remove -n tokens) is accepted
+_CROP_ZERO_REMOVES_NOTHING = Version("5.14") <= TRANSFORMERS_VERSION
+_CROP_REJECTS_POSITIVE = Version("5.20") <= TRANSFORMERS_VERSION
 
 
 def tokens_to_remove(argument: int, seen: int) -> int:
-    """How many tokens ``crop(argument)`` removes from a layer that has seen ``seen``."""
+    """How many tokens ``crop(argument)`` removes from a layer that has seen ``seen``, following
+    the installed release's convention (see above)."""
     if argument < 0:
         return min(-argument, seen)
-    if _CROP_TAKES_ONLY_NEGATIVE:
-        if argument > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {argument}")
+    if argument == 0 and _CROP_ZERO_REMOVES_NOTHING:
         return 0
+    if argument > 0 and _CROP_REJECTS_POSITIVE:
+        raise ValueError(
+            f"crop takes a negative number of tokens to remove, got {argument} (a positive "
+            "length to keep is not accepted from transformers 5.20)"
+        )
     return max(seen - argument, 0)
 
 
 def clear_layer(layer) -> None:
     """Make a cache layer empty and uninitialized.
 
-    ``is_initialized`` exists from 4.57 (4.56's layers only test ``keys is None``), and before 5.24
-    ``CacheLayerMixin.reset`` zeroes the tensors in place instead of dropping them, which would leave
-    a stale tail in a layer whose ``update`` concatenates.
+    ``is_initialized`` exists from 4.57 (4.56's layers only test ``keys is None``), and the stock
+    ``reset`` of 4.56-5.15 zeroes the tensors in place instead of dropping them (5.18 drops them),
+    which would leave a stale tail of zeros in a layer whose ``update`` concatenates.
     """
     layer.keys = layer.values = None
     layer.is_initialized = False
@@ -75,7 +83,58 @@ def original_attention(backend: str, module: torch.nn.Module) -> Callable:
                 "use attn_implementation='sdpa' with kvpatch"
             )
         return function
+    if uses_flash_attention(backend):
+        return _flash_attention_as_stock(backend)
     return AttentionInterface._global_mapping[backend]
+
+
+def uses_flash_attention(implementation: str | None) -> bool:
+    """Whether transformers treats ``implementation`` as flash attention (it looks for "flash")."""
+    return implementation is not None and "flash" in implementation
+
+
+class _ConfigNamed:
+    """A model config that reads like ``config`` except that it names another implementation."""
+
+    def __init__(self, config, implementation: str):
+        self.__dict__.update(_config=config, _attn_implementation=implementation)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_config"], name)
+
+
+class _ModuleWithStockName:
+    """An attention module as the stock function sees it: the same module, whose config names the
+    stock backend rather than kvpatch's wrapper of it."""
+
+    def __init__(self, module: torch.nn.Module, backend: str):
+        self.__dict__.update(_module=module, config=_ConfigNamed(module.config, backend))
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_module"], name)
+
+
+_flash_wrappers: dict[str, Callable] = {}
+
+
+def _flash_attention_as_stock(backend: str) -> Callable:
+    """The stock flash function, called with a module whose config names ``backend``.
+
+    The stock flash function picks its kernel by the exact name in
+    ``module.config._attn_implementation`` in 5.x (checked in 5.3, 5.4, 5.15 and 5.24; 4.56-4.57
+    pass no name and pick by environment): given ``kvpatch_flash_attention_2`` it would look for a
+    Hub kernel of that name and fail.
+    """
+    if backend not in _flash_wrappers:
+        stock = AttentionInterface._global_mapping[backend]
+
+        def flash_attention(module, *args, **kwargs):
+            return stock(_ModuleWithStockName(module, backend), *args, **kwargs)
+
+        flash_attention.__wrapped__ = stock
+        flash_attention.__name__ = f"{backend}_as_stock"
+        _flash_wrappers[backend] = flash_attention
+    return _flash_wrappers[backend]
 
 
 def register_attention(name: str, function: Callable, backend: str) -> None:
@@ -97,6 +156,25 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
 
 
 def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
+    """Switch ``model`` (and its sub-models) to attention implementation ``name``.
+
+    Between two flash implementations (stock ``flash_attention_2`` and kvpatch's wrapper of it) only
+    the name changes: ``set_attn_implementation`` would check the new name as a flash kernel of its
+    own and, in 5.x (checked in 5.3, 5.15 and 5.24), preload it by exact name, i.e. as a Hub kernel
+    called ``kvpatch_flash_attention_2``, which fails. The stock backend behind it was checked when
+    the model was loaded with it.
+    """
+    current = attention_implementation(model)
+    if name != current and uses_flash_attention(name) and uses_flash_attention(current):
+        configs = [model.config] + [
+            module.config
+            for module in model.modules()
+            if isinstance(module, transformers.PreTrainedModel)
+            and attention_implementation(module) == current
+        ]
+        for config in configs:
+            config._attn_implementation = name  # the setter updates the sub-configs too
+        return
     model.set_attn_implementation(name)
 
 

@@ -20,6 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvpatch import compat
+
 VOCAB = 256
 COMMON = dict(
     vocab_size=VOCAB,
@@ -62,7 +64,7 @@ def make_model(name: str = "llama", attn: str = "sdpa", seed: int = 0) -> torch.
     """A tiny random fp32 model with GQA (4 query heads, 2 KV heads, head_dim 32)."""
     torch.manual_seed(seed)
     model = MODELS[name]().eval()
-    model.set_attn_implementation(attn)
+    compat.set_attention_implementation(model, attn)
     # random weights give flat attention; sharper keys make eviction choices matter
     with torch.no_grad():
         for module in model.modules():

@@ -124,13 +124,13 @@ def oracle_logits(
     _evictions.update(evictions)
     _schedule.clear()
     _schedule.update(schedule or {})
-    model.set_attn_implementation(ORACLE)
+    compat.set_attention_implementation(model, ORACLE)
     try:
         logits, _ = greedy_logits(
             model, ids, DynamicCache(config=model.config), tokens.shape[1], tokens
         )
     finally:
-        model.set_attn_implementation(implementation)
+        compat.set_attention_implementation(model, implementation)
         _evictions.clear()
         _schedule.clear()
     return logits

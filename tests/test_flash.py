@@ -23,7 +23,7 @@ pytestmark = [
 
 def gpu_model(name="llama"):
     model = make_model(name, "sdpa").to("cuda", torch.float16)
-    model.set_attn_implementation("flash_attention_2")
+    kvpatch.compat.set_attention_implementation(model, "flash_attention_2")
     return model
 
 
