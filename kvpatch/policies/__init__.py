@@ -30,8 +30,7 @@ from kvpatch.policies.tova import TOVA
 
 #: token scorers by name; each also exists as ``ada-<name>``
 TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
-    cls.name: cls
-    for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer, SpanSnapKV, SpanTOVA)
+    cls.name: cls for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer, SpanSnapKV, SpanTOVA)
 }
 #: channel selectors by name
 CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
