@@ -262,3 +262,21 @@ def test_decode_budget_needs_a_token_policy():
         greedy_logits(model, prompt(100), cache, 1)
     with pytest.raises(ValueError, match="positive integer"):
         CompressedDynamicCache(decode_budget=0)
+
+
+def test_batch_repeat_interleave_and_select_on_a_compressed_cache():
+    """One compressed context repeated for two continuations equals two copies of it."""
+    model = make_model("llama")
+    name = compat.cache_argument(model)
+    nxt = prompt(2, seed=3).T  # two different next tokens, one per row
+    with kvpatch.enabled(model, "think+ada-knorm:0.6"), torch.no_grad():
+        shared = kvpatch.prefill(model, prompt(200))
+        both = shared.copy_cache()
+        both.batch_repeat_interleave(2)
+        logits = model(nxt, **{name: both}).logits
+        alone = [model(nxt[i : i + 1], **{name: shared.copy_cache()}).logits for i in range(2)]
+        torch.testing.assert_close(logits, torch.cat(alone), atol=1e-5, rtol=0)
+        both.batch_select_indices(torch.tensor([1]))
+        again = model(nxt[1:], **{name: both}).logits
+    assert both.layers[0].physical_lengths().shape[0] == 1
+    assert again.shape == (1, 1, logits.shape[-1])
