@@ -100,9 +100,10 @@ def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict
     }
 
 
-def run_isolated(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
+def run_isolated(script: str, policy: str, context: int, decode_tokens: int, threads: int) -> dict:
+    """Run ``script --child ...`` in a fresh process, so that its peak memory is its own."""
     child = [policy, str(context), str(decode_tokens), str(threads)]
-    command = [sys.executable, __file__, "--child", *child]
+    command = [sys.executable, script, "--child", *child]
     result = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -111,10 +112,31 @@ def spread(values: list[float]) -> str:
     return f"±{(max(values) - min(values)) / 2 / statistics.median(values):.0%}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def print_rows(context: int, measured: dict[str, list[dict]]) -> None:
+    """One table row per policy: medians (and spreads) of the ratios to the full cache."""
+    full = measured[FULL]
+    full_prefill = statistics.median(r["prefill_s"] for r in full)
+    full_decode = statistics.median(r["decode_s"] for r in full)
+    for policy, results in measured.items():
+        prefill = [r["prefill_s"] / full_prefill for r in results]
+        decode = [r["decode_s"] / full_decode for r in results]
+        kv = results[0]["kv_bytes"]
+        print(
+            f"{context:>7} {policy:<24} {kv / 2**20:>8.1f} "
+            f"{kv / full[0]['kv_bytes']:>8.3f} "
+            f"{statistics.median(prefill):>7.2f} {spread(prefill):>5} "
+            f"{statistics.median(decode):>6.2f} {spread(decode):>5} "
+            f"{statistics.median(r['decode_s'] for r in results) * 1e3:>10.2f} "
+            f"{statistics.median(r['peak_rss_mb'] for r in results):>12.0f}",
+            flush=True,
+        )
+
+
+def run_benchmark(script: str, description: str, measure_one, policies: list[str]) -> None:
+    """The command line shared by the benchmark scripts; ``measure_one`` runs in each child."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384])
-    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=policies)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--json", help="also write the raw runs here")
@@ -125,41 +147,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         policy, context, decode_tokens, threads = args.child
-        print(json.dumps(measure(policy, int(context), int(decode_tokens), int(threads))))
+        print(json.dumps(measure_one(policy, int(context), int(decode_tokens), int(threads))))
         return
 
     runs = []
-    header = (
+    print(
         f"{'context':>7} {'policy':<24} {'KV MB':>8} {'KV/full':>8} {'prefill/full':>13} "
         f"{'decode/full':>12} {'decode ms':>10} {'peak RSS MB':>12}"
     )
-    print(header)
     for context in args.contexts:
-        measured = {}
+        measured: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # interleave policies so drift hits all alike
             for policy in [FULL, *args.policies]:
-                run = run_isolated(policy, context, args.decode_tokens, args.threads)
+                run = run_isolated(script, policy, context, args.decode_tokens, args.threads)
                 runs.append(run)
                 measured.setdefault(policy, []).append(run)
-        full = measured[FULL]
-        full_prefill = statistics.median(r["prefill_s"] for r in full)
-        full_decode = statistics.median(r["decode_s"] for r in full)
-        for policy, results in measured.items():
-            prefill = [r["prefill_s"] / full_prefill for r in results]
-            decode = [r["decode_s"] / full_decode for r in results]
-            kv = results[0]["kv_bytes"]
-            print(
-                f"{context:>7} {policy:<24} {kv / 2**20:>8.1f} "
-                f"{kv / full[0]['kv_bytes']:>8.3f} "
-                f"{statistics.median(prefill):>7.2f} {spread(prefill):>5} "
-                f"{statistics.median(decode):>6.2f} {spread(decode):>5} "
-                f"{statistics.median(r['decode_s'] for r in results) * 1e3:>10.2f} "
-                f"{statistics.median(r['peak_rss_mb'] for r in results):>12.0f}",
-                flush=True,
-            )
+        print_rows(context, measured)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
+
+
+def main() -> None:
+    run_benchmark(__file__, __doc__.splitlines()[0], measure, POLICIES)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,8 @@ kvpress needs transformers < 5.3, so run this from its own virtualenv and compar
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, spread
+from bench_cache import FULL, build_model, run_benchmark
 
 POLICIES = [
     "snapkv:0.5",
@@ -84,48 +81,7 @@ def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--policies", nargs="+", default=POLICIES)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        policy, context, decode_tokens, threads = args.child
-        print(json.dumps(measure(policy, int(context), int(decode_tokens), int(threads))))
-        return
-    print(
-        f"{'context':>7} {'kvpress':<24} {'KV MB':>8} {'KV/full':>8} {'prefill/full':>13} "
-        f"{'decode/full':>12} {'decode ms':>10}"
-    )
-    for context in args.contexts:
-        measured: dict[str, list[dict]] = {}
-        for _ in range(args.repeats):
-            for policy in [FULL, *args.policies]:
-                child = [policy, str(context), str(args.decode_tokens), str(args.threads)]
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", *child],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                measured.setdefault(policy, []).append(json.loads(out.strip().splitlines()[-1]))
-        full = measured[FULL]
-        full_prefill = statistics.median(r["prefill_s"] for r in full)
-        full_decode = statistics.median(r["decode_s"] for r in full)
-        for policy, results in measured.items():
-            prefill = [r["prefill_s"] / full_prefill for r in results]
-            decode = [r["decode_s"] / full_decode for r in results]
-            kv = results[0]["kv_bytes"]
-            print(
-                f"{context:>7} {policy:<24} {kv / 2**20:>8.1f} {kv / full[0]['kv_bytes']:>8.3f} "
-                f"{statistics.median(prefill):>7.2f} {spread(prefill):>5} "
-                f"{statistics.median(decode):>6.2f} {spread(decode):>5} "
-                f"{statistics.median(r['decode_s'] for r in results) * 1e3:>10.2f}",
-                flush=True,
-            )
+    run_benchmark(__file__, __doc__.splitlines()[0], measure, POLICIES)
 
 
 if __name__ == "__main__":
