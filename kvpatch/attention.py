@@ -129,10 +129,12 @@ def _attend_compressed(backend, original, module, query, key, value, attention_m
     batch, kv_heads, _, dim = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
     group = q_heads // kv_heads
-    slots = torch.arange(view.packed_length, device=key.device)
-    padding = slots >= view.lengths[..., None]  # [b, h, packed_length]
     explicit = kwargs.get("softcap") is not None  # soft-capping bounds logits: no key can zero them
-    if view.has_padding_slots and not explicit:
+    padding = None
+    if view.has_padding_slots:
+        slots = torch.arange(view.packed_length, device=key.device)
+        padding = slots >= view.lengths[..., None]  # [b, h, packed_length]
+    if padding is not None and not explicit:
         grouped = query.reshape(batch, kv_heads, group * q_len, dim)
         keys, ok = fake_keys(
             grouped, view.key_norm_bound, _scaling(module, query, kwargs), key.dtype
@@ -140,7 +142,7 @@ def _attend_compressed(backend, original, module, query, key, value, attention_m
         packed = key[:, :, : view.packed_length]
         packed.copy_(torch.where(padding[..., None], keys[:, :, None, :], packed))
         explicit = not bool(ok.all())
-    head_padding = padding if (explicit and view.has_padding_slots) else None
+    head_padding = padding if explicit else None
     if head_padding is not None and backend.startswith("flash"):
         # flash kernels take no per-head mask: compute this rare case exactly with eager math
         mask = physical_mask(attention_mask, view, query, key, head_padding, additive=True)

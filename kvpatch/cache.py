@@ -76,10 +76,7 @@ class CompressedView:
     packed_length: int
     tail_start: int
     key_norm_bound: torch.Tensor  # [batch, kv_heads], largest norm of a held key
-
-    @property
-    def has_padding_slots(self) -> bool:
-        return bool((self.lengths < self.packed_length).any())
+    has_padding_slots: bool  # whether some head holds fewer than ``packed_length`` tokens
 
 
 def mark(keys: torch.Tensor, view: PrefillView | CompressedView) -> torch.Tensor:
@@ -398,6 +395,7 @@ class CompressedLayer(DynamicLayer):
             packed_length=self.packed.max_length,
             tail_start=self.tail_start,
             key_norm_bound=self.key_norm_bound,
+            has_padding_slots=not self.packed.is_uniform,
         )
         return mark(keys, view), values
 
