@@ -11,6 +11,7 @@ same run (medians of ``--repeats`` runs, with their spread).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -53,51 +54,65 @@ def build_model():
 
 
 def cache_bytes(cache) -> int:
-    from kvpatch import CompressedDynamicCache
-
-    if isinstance(cache, CompressedDynamicCache):
+    """Bytes of the cache's storages: ``nbytes()`` of a kvpatch cache, else keys + values."""
+    if hasattr(cache, "nbytes"):  # kvpatch's; the kvpress environment has no kvpatch to import
         return cache.nbytes()
-    return sum(layer.keys.untyped_storage().nbytes() * 2 for layer in cache.layers)
+    return sum(
+        layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+        for layer in cache.layers
+    )
 
 
-def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
-    """One run in this process: prefill ``context`` tokens, then decode ``decode_tokens``."""
-    from transformers import DynamicCache
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-
-    import kvpatch
-    from kvpatch import compat
-
-    model = build_model()
-    if policy == FULL:
-        cache = DynamicCache(config=model.config)
-    else:
-        kvpatch.enable(model, policy)
-        cache = kvpatch.CompressedDynamicCache(config=model.config)
-    name = compat.cache_argument(model)
+def timed_run(
+    model,
+    cache,
+    cache_argument: str,
+    policy: str,
+    context: int,
+    decode_tokens: int,
+    prefill_context=None,
+) -> dict:
+    """Prefill ``context`` random tokens into ``cache`` (inside ``prefill_context``), then decode
+    ``decode_tokens`` greedily, timing each forward."""
     ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
     steps = []
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(ids, **{name: cache})
+        with prefill_context or contextlib.nullcontext():
+            out = model(ids, **{cache_argument: cache})
         prefill = time.perf_counter() - start
         held = cache_bytes(cache)
         for _ in range(decode_tokens):
             token = out.logits[:, -1:].argmax(-1)
             start = time.perf_counter()
-            out = model(token, **{name: cache})
+            out = model(token, **{cache_argument: cache})
             steps.append(time.perf_counter() - start)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "policy": policy,
         "context": context,
         "kv_bytes": held,
         "prefill_s": prefill,
         "decode_s": statistics.median(steps[1:] or steps),
-        "peak_rss_mb": peak_kib / 1024,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
+    """One run in this process: prefill ``context`` tokens, then decode ``decode_tokens``."""
+    from transformers import DynamicCache
+
+    import kvpatch
+    from kvpatch import compat
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    model = build_model()
+    if policy == FULL:
+        cache = DynamicCache(config=model.config)
+    else:
+        kvpatch.enable(model, policy)
+        cache = kvpatch.CompressedDynamicCache(config=model.config)
+    return timed_run(model, cache, compat.cache_argument(model), policy, context, decode_tokens)
 
 
 def run_isolated(script: str, policy: str, context: int, decode_tokens: int, threads: int) -> dict:

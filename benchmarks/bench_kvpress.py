@@ -10,16 +10,13 @@ kvpress needs transformers < 5.3, so run this from its own virtualenv and compar
 
 from __future__ import annotations
 
-import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, run_benchmark
+from bench_cache import FULL, build_model, run_benchmark, timed_run
 
 POLICIES = [
     "snapkv:0.5",
@@ -45,39 +42,14 @@ def make_press(policy: str):
 
 
 def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
-    import contextlib
-
     from transformers import DynamicCache
 
     if threads > 0:
         torch.set_num_threads(threads)
     model = build_model()
     cache = DynamicCache(config=model.config)
-    press = contextlib.nullcontext() if policy == FULL else make_press(policy)(model)
-    ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
-    steps = []
-    with torch.inference_mode():
-        start = time.perf_counter()
-        with press:
-            out = model(ids, past_key_values=cache)
-        prefill = time.perf_counter() - start
-        held = sum(
-            layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
-            for layer in cache.layers
-        )
-        for _ in range(decode_tokens):
-            token = out.logits[:, -1:].argmax(-1)
-            start = time.perf_counter()
-            out = model(token, past_key_values=cache)
-            steps.append(time.perf_counter() - start)
-    return {
-        "policy": policy,
-        "context": context,
-        "kv_bytes": held,
-        "prefill_s": prefill,
-        "decode_s": statistics.median(steps[1:] or steps),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    press = None if policy == FULL else make_press(policy)(model)
+    return timed_run(model, cache, "past_key_values", policy, context, decode_tokens, press)
 
 
 def main() -> None:
