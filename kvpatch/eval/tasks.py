@@ -224,14 +224,20 @@ def make_sample(
     else:
         needles = [(key, _value(rng, numbers, digits)) for _ in range(values)]
     answers = [v for k, v in needles if k == key]
+    # "Answer with the number(s) only" and an answer prefix ending in a colon: without them this
+    # model often answers with a haystack word instead of the number, even with the full cache
     if task == "multivalue":
         question = (
-            f"What are all the special magic numbers for {key} mentioned in the provided text?"
+            f"What are all the special magic numbers for {key} mentioned in the provided text? "
+            "Answer with the numbers only."
         )
-        prefix = f"The special magic numbers for {key} mentioned in the provided text are"
+        prefix = f"The special magic numbers for {key} are:"
     else:
-        question = f"What is the special magic number for {key} mentioned in the provided text?"
-        prefix = f"The special magic number for {key} mentioned in the provided text is"
+        question = (
+            f"What is the special magic number for {key} mentioned in the provided text? "
+            "Answer with the number only."
+        )
+        prefix = f"The special magic number for {key} is:"
     before, after = codec.wrap("\x01")
     question_text = f"\n{question}{after or chr(10)}{prefix}"
     overhead = len(codec.encode(before + INSTRUCTION)[0]) + len(codec.encode(question_text)[0])
