@@ -10,6 +10,7 @@ import pytest
 
 from kvpatch.eval import EvalConfig, make_sample, run_eval, with_ratio
 from kvpatch.eval.cli import main
+from kvpatch.eval.harness import summarize
 from kvpatch.eval.tasks import TASKS, ByteCodec
 
 
@@ -57,7 +58,14 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert snap < 0.6 * full
     result = json.loads((output / "results.json").read_text())
     assert len(result["records"]) == 4 and result["config"]["model"] == "tiny"
-    assert (output / "results.md").read_text().startswith("| task |")
+    table = (output / "results.md").read_text()
+    assert table.startswith("| task |")
+    # which of the needle's tokens survive, per compressed run: one column per digit (bytes here)
+    record = next(r for r in result["records"] if (r["mode"], r["policy"]) == ("prefill", "snapkv"))
+    by_token = [float(v) for v in rows[1]["needle_kept_by_token"].split(";")]
+    assert by_token == pytest.approx(record["needle_survival"], abs=1e-4) and len(by_token) == 6
+    assert "| token 1 | token 2 | token 3 | token 4 | token 5 | token 6 |" in table
+    assert f"| single | prefill | snapkv | 0.5 | {by_token[0]:.0%} |" in table
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -81,3 +89,16 @@ def test_shared_prefill_matches_separate_prefills(tmp_path):
         assert a[k]["answer"] == b[k]["answer"], k
         assert a[k]["kv_bytes"] == b[k]["kv_bytes"], k
         assert a[k]["needle_survival"] == b[k]["needle_survival"], k
+
+
+def test_needle_kept_by_token_averages_over_samples():
+    def record(survival):
+        return dict(
+            task="single", mode="prefill", policy="snapkv", ratio=0.5, score=1.0, kv_bytes=1,
+            prefill_s=0.1, decode_s=0.1, new_tokens=1, needle_survival=survival,
+        )  # fmt: skip
+
+    (row,) = summarize([record([1.0, 0.5]), record([0.0, 0.5, 1.0]), record(None)])
+    assert row["needle_kept_by_token"] == pytest.approx([0.5, 0.5, 1.0])
+    assert row["needle_kept"] == pytest.approx(3.0 / 5.0)
+    assert row["needle_min_kept"] == pytest.approx(0.25)

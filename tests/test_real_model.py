@@ -1,7 +1,8 @@
-"""The real demo model answers a 1k-token needle, with the full cache and with snapkv:0.5.
+"""The real demo model answers a 1k-token needle, with the full cache and with compressed caches.
 
-Marked ``slow`` (deselected by default; run with ``python -m pytest -m slow``) and skipped unless
-the demo model is cached (``python -m kvpatch.demo`` fetches and converts it).
+Marked ``slow`` (deselected by default; run with ``python -m pytest -m slow``; ``.ci/run`` runs
+them when the model is cached) and skipped unless the demo model is cached
+(``python -m kvpatch.demo`` fetches and converts it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from kvpatch import demo
 
 pytestmark = pytest.mark.slow
 
+SAMPLES = 3  # needles at different depths of 1,000 tokens
+
 
 @pytest.fixture(scope="module")
 def real_model():
@@ -23,33 +26,37 @@ def real_model():
     return demo.load(download=False)
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        None,
-        "span-snapkv:0.5",
-        pytest.param(
-            "snapkv:0.5",
-            marks=pytest.mark.xfail(
-                reason="SnapKV keeps the number's first digits only: the later ones are attended "
-                "only while decoding (README, 'Multi-token answers'); span-snapkv keeps them",
-                strict=False,
-            ),
-        ),
-    ],
-)
-def test_needle_in_1k_tokens(real_model, policy):
-    from kvpatch.eval.harness import answer
+@pytest.fixture(scope="module")
+def needles(real_model):
     from kvpatch.eval.tasks import HFCodec, make_sample
 
-    model, tokenizer = real_model
-    codec = HFCodec(tokenizer)
-    # seed 0 puts the needle mid-context, which this model retrieves with the full cache
-    sample = make_sample("single", codec, 1000, random.Random(0))
+    codec = HFCodec(real_model[1])
+    rng = random.Random(0)
+    return codec, [make_sample("single", codec, 1000, rng) for _ in range(SAMPLES)]
+
+
+def answers(model, samples, policy):
+    from kvpatch.eval.harness import answer
+
     if policy is None:
-        result = answer(model, sample, None, "prefill", 12)
-    else:
-        with kvpatch.enabled(model):
-            result = answer(model, sample, policy, "prefill", 12)
-    text = codec.decode(result["tokens"])
-    assert sample.answers[0] in text, (policy, sample.answers, text)
+        return [answer(model, sample, None, "prefill", 12)["tokens"] for sample in samples]
+    with kvpatch.enabled(model):
+        return [answer(model, sample, policy, "prefill", 12)["tokens"] for sample in samples]
+
+
+@pytest.mark.parametrize("policy", [None, "span-snapkv:0.5", "ada-span-snapkv:0.5"])
+def test_needle_in_1k_tokens(real_model, needles, policy):
+    codec, samples = needles
+    texts = [codec.decode(tokens) for tokens in answers(real_model[0], samples, policy)]
+    for sample, text in zip(samples, texts, strict=True):
+        assert sample.answers[0] in text, (policy, sample.answers, text)
+
+
+def test_snapkv_finds_the_needle(real_model, needles):
+    """Plain SnapKV at 0.5 retrieves the right needle but keeps only the number's first digits
+    (the later ones are attended only while decoding; README, "Multi-token answers"): its answers
+    start with the number, and are checked no further."""
+    codec, samples = needles
+    texts = [codec.decode(tokens) for tokens in answers(real_model[0], samples, "snapkv:0.5")]
+    for sample, text in zip(samples, texts, strict=True):
+        assert text.strip().startswith(sample.answers[0][:2]), (sample.answers, text)

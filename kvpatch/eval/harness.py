@@ -478,6 +478,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s if decode_s else 0,
                 "needle_kept": _mean(survival) if survival else None,
                 "needle_min_kept": _mean(whole) if whole else None,
+                "needle_kept_by_token": _mean_by_index(
+                    r["needle_survival"] for r in rows if r["needle_survival"]
+                ),
             }
         )
     return summary
@@ -486,6 +489,15 @@ def summarize(records: list[dict]) -> list[dict]:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else math.nan
+
+
+def _mean_by_index(lists) -> list[float] | None:
+    """Element-wise mean of lists that may differ in length (index i over those that have it)."""
+    columns: dict[int, list[float]] = defaultdict(list)
+    for values in lists:
+        for index, value in enumerate(values):
+            columns[index].append(value)
+    return [_mean(columns[i]) for i in range(len(columns))] or None
 
 
 COLUMNS = (
@@ -537,17 +549,40 @@ def format_accuracy_grid(summary: list[dict]) -> str:
     return "\n\n".join(blocks)
 
 
+def format_needle_tokens(summary: list[dict]) -> str:
+    """Per compressed run, the share of (layer, KV head) pairs that hold each token of the
+    (first) expected value: which parts of a multi-token answer survive."""
+    rows = [r for r in summary if r["needle_kept_by_token"]]
+    if not rows:
+        return ""
+    width = max(len(r["needle_kept_by_token"]) for r in rows)
+    header = ["task", "question", "policy", "ratio"] + [f"token {i + 1}" for i in range(width)]
+    lines = [
+        "**needle kept, token by token** (share of layer x KV-head pairs holding it)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in rows:
+        kept = [f"{value:.0%}" for value in r["needle_kept_by_token"]]
+        kept += [""] * (width - len(kept))
+        cells = [r["task"], r["mode"], r["policy"], f"{r['ratio']:g}", *kept]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_outputs(result: dict, output: Path, plot: bool = True) -> dict[str, Path]:
     output.mkdir(parents=True, exist_ok=True)
     paths = {}
     summary = result["summary"]
     paths["table"] = output / "results.md"
-    paths["table"].write_text(format_table(summary) + "\n\n" + format_accuracy_grid(summary) + "\n")
+    blocks = [format_table(summary), format_accuracy_grid(summary), format_needle_tokens(summary)]
+    paths["table"].write_text("\n\n".join(block for block in blocks if block) + "\n")
     paths["csv"] = output / "results.csv"
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(summary[0]))
         writer.writeheader()
-        writer.writerows(summary)
+        writer.writerows({key: _csv_cell(value) for key, value in row.items()} for row in summary)
     paths["json"] = output / "results.json"
     paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
     if plot:
@@ -555,6 +590,13 @@ def write_outputs(result: dict, output: Path, plot: bool = True) -> dict[str, Pa
         if png is not None:
             paths["png"] = png
     return paths
+
+
+def _csv_cell(value):
+    """Lists (per-token shares) as one ``;``-separated cell."""
+    if isinstance(value, list):
+        return ";".join(f"{v:.4f}" for v in value)
+    return value
 
 
 def plot_accuracy(summary: list[dict], path: Path) -> Path | None:
@@ -585,7 +627,8 @@ def plot_accuracy(summary: list[dict], path: Path) -> Path | None:
         ax.set_xlim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize=8, loc="lower left")
+    # beside the panels: inside, it would hide the low-accuracy points
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
