@@ -130,19 +130,18 @@ def _attend_compressed(backend, original, module, query, key, value, attention_m
     q_heads, q_len = query.shape[1], query.shape[2]
     group = q_heads // kv_heads
     explicit = kwargs.get("softcap") is not None  # soft-capping bounds logits: no key can zero them
-    padding = None
-    if view.has_padding_slots:
-        slots = torch.arange(view.packed_length, device=key.device)
-        padding = slots >= view.lengths[..., None]  # [b, h, packed_length]
-    if padding is not None and not explicit:
+    if view.padding_slots is not None and not explicit:
         grouped = query.reshape(batch, kv_heads, group * q_len, dim)
         keys, ok = fake_keys(
             grouped, view.key_norm_bound, _scaling(module, query, kwargs), key.dtype
         )
-        packed = key[:, :, : view.packed_length]
-        packed.copy_(torch.where(padding[..., None], keys[:, :, None, :], packed))
+        rows, heads, slots = view.padding_slots
+        key[rows, heads, slots] = keys[rows, heads]  # only the padding slots are written
         explicit = not bool(ok.all())
-    head_padding = padding if explicit else None
+    head_padding = None
+    if view.padding_slots is not None and explicit:
+        slots = torch.arange(view.packed_length, device=key.device)
+        head_padding = slots >= view.lengths[..., None]  # [b, h, packed_length]
     if head_padding is not None and backend.startswith("flash"):
         # flash kernels take no per-head mask: compute this rare case exactly with eager math
         mask = physical_mask(attention_mask, view, query, key, head_padding, additive=True)

@@ -76,7 +76,8 @@ class CompressedView:
     packed_length: int
     tail_start: int
     key_norm_bound: torch.Tensor  # [batch, kv_heads], largest norm of a held key
-    has_padding_slots: bool  # whether some head holds fewer than ``packed_length`` tokens
+    #: ``(rows, heads, slots)`` of the padding slots; None when every head is ``packed_length`` long
+    padding_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 def mark(keys: torch.Tensor, view: PrefillView | CompressedView) -> torch.Tensor:
@@ -395,7 +396,7 @@ class CompressedLayer(DynamicLayer):
             packed_length=self.packed.max_length,
             tail_start=self.tail_start,
             key_norm_bound=self.key_norm_bound,
-            has_padding_slots=not self.packed.is_uniform,
+            padding_slots=None if self.packed.is_uniform else self.packed.padding_slots,
         )
         return mark(keys, view), values
 

@@ -7,12 +7,17 @@ kept channels of their head.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 from kvpatch.policies.base import Plan
+
+#: up to this many (batch row, KV head) pairs, the padded layout is written with one slice copy per
+#: head (memory-copy speed); beyond, with one indexed copy (fewer calls, slower per byte)
+SLICE_COPY_HEADS = 64
 
 
 def storage_nbytes(*tensors: torch.Tensor | None) -> int:
@@ -96,38 +101,56 @@ class PackedKV:
         """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
         return bool((self.lengths == self.lengths.flatten()[0]).all())
 
+    @cached_property
+    def segments(self) -> list[tuple[int, int]]:
+        """``(first packed row, tokens)`` of each (batch row, KV head), in row-major order."""
+        counts = self.lengths.flatten().tolist()
+        return list(zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True))
+
+    @cached_property
+    def padding_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows, heads, slots)`` of the padding slots of the padded layout (the slots from
+        each head's length up to ``max_length``)."""
+        slots = torch.arange(self.max_length, device=self.lengths.device)
+        return (slots >= self.lengths[..., None]).nonzero(as_tuple=True)
+
+    def _lay_out(self, flat: torch.Tensor, target: torch.Tensor) -> None:
+        """Write ``flat`` rows into ``target`` ``[batch * kv_heads, width, dim]``: each head's rows
+        first, zeros up to ``max_length``; the rest of ``width`` is left alone."""
+        length = self.max_length
+        if self.is_uniform:
+            target[:, :length] = flat.view(target.shape[0], length, -1)
+        elif len(self.segments) <= SLICE_COPY_HEADS:
+            for head, (start, count) in enumerate(self.segments):
+                target[head, :count] = flat[start : start + count]
+                target[head, count:length] = 0
+        else:
+            target[:, :length] = 0
+            rows = target.view(-1, target.shape[-1])  # contiguous: raises otherwise
+            rows.index_copy_(0, self.destinations(target.shape[1]), flat)
+
     def _padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Lay ``flat`` rows out as ``[batch, kv_heads, max_length, dim]``, zero after each head."""
         b, h = self.lengths.shape
-        length, dim = self.max_length, flat.shape[-1]
         if self.is_uniform:
-            return flat.view(b, h, length, dim)
-        grid = flat.new_zeros(b * h * length, dim)
-        return grid.index_copy_(0, self.destinations(length), flat).view(b, h, length, dim)
+            return flat.view(b, h, self.max_length, flat.shape[-1])
+        grid = flat.new_empty(b * h, self.max_length, flat.shape[-1])
+        self._lay_out(flat, grid)
+        return grid.view(b, h, self.max_length, -1)
 
     def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the padded, full-width layout into the first ``max_length`` positions of
         contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
-        length = self.max_length
-        width = keys.shape[2]
-        if self.is_uniform:
-            packed_keys = self._padded(self.keys)
-            values[:, :, :length] = self._padded(self.values)
-        else:
-            dest = self.destinations(width)
-            values[:, :, :length] = 0
-            values.view(-1, values.shape[-1]).index_copy_(0, dest, self.values)
-            if self.channels is None:
-                keys[:, :, :length] = 0
-                keys.view(-1, keys.shape[-1]).index_copy_(0, dest, self.keys)
-                return
-            packed_keys = self._padded(self.keys)
+        b, h, width, _ = keys.shape
+        self._lay_out(self.values, values.view(b * h, width, -1))
         if self.channels is None:
-            keys[:, :, :length] = packed_keys
-        else:
-            index = self.channels[:, :, None, :].expand_as(packed_keys)
-            keys[:, :, :length] = 0
-            keys[:, :, :length].scatter_(-1, index, packed_keys)
+            self._lay_out(self.keys, keys.view(b * h, width, -1))
+            return
+        packed_keys = self._padded(self.keys)
+        index = self.channels[:, :, None, :].expand_as(packed_keys)
+        block = keys[:, :, : self.max_length]
+        block.zero_()
+        block.scatter_(-1, index, packed_keys)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys at full width (pruned channels as zeros) and values, padded per head with zeros."""

@@ -41,19 +41,32 @@ def expected_head(keys, values, plan, b, h):
     return k, values[b, h, positions]
 
 
+# the padded layout is written with one slice copy per head, or one indexed copy for many heads
+LAYOUTS = [pytest.param(64, id="slice-copies"), pytest.param(0, id="indexed-copy")]
+
+
+@pytest.mark.parametrize("slice_copy_heads", LAYOUTS)
 @pytest.mark.parametrize("kept_channels", [None, 5])
-def test_dense_view_holds_each_heads_tokens_in_order(kept_channels):
+def test_dense_view_holds_each_heads_tokens_in_order(kept_channels, slice_copy_heads, monkeypatch):
+    monkeypatch.setattr("kvpatch.packed.SLICE_COPY_HEADS", slice_copy_heads)
     keys, values, plan = random_plan(kept_channels=kept_channels, full_width_from=15)
     packed = PackedKV.from_plan(keys, values, plan)
-    dense_k, dense_v = packed.dense()
-    assert dense_k.shape[-1] == keys.shape[-1]
+    # written into a wider, dirty buffer, as the cache does before appending its tail
+    b, h, length = *packed.lengths.shape, packed.max_length
+    dense_k = torch.full((b, h, length + 3, keys.shape[-1]), float("nan"))
+    dense_v = torch.full((b, h, length + 3, values.shape[-1]), float("nan"))
+    packed.write_into(dense_k, dense_v)
+    assert dense_k[:, :, length:].isnan().all() and dense_v[:, :, length:].isnan().all()
+    expected_padding = []
     for b in range(keys.shape[0]):
         for h in range(keys.shape[1]):
             k, v = expected_head(keys, values, plan, b, h)
             n = len(k)
             assert packed.lengths[b, h] == n
             assert torch.equal(dense_k[b, h, :n], k) and torch.equal(dense_v[b, h, :n], v)
-            assert (dense_k[b, h, n:] == 0).all() and (dense_v[b, h, n:] == 0).all()
+            assert (dense_k[b, h, n:length] == 0).all() and (dense_v[b, h, n:length] == 0).all()
+            expected_padding += [[b, h, slot] for slot in range(n, length)]
+    assert torch.stack(packed.padding_slots, dim=-1).tolist() == expected_padding
 
 
 def test_storage_is_packed_without_padding():
