@@ -15,8 +15,9 @@ import torch
 
 from kvpatch.policies.base import Plan
 
-#: up to this many (batch row, KV head) pairs, the padded layout is written with one slice copy per
-#: head (memory-copy speed); beyond, with one indexed copy (fewer calls, slower per byte)
+#: on CPU, up to this many (batch row, KV head) pairs, the padded layout is written with one slice
+#: copy per head (memory-copy speed); beyond, and on accelerators (where each copy is a kernel
+#: launch), with one indexed copy
 SLICE_COPY_HEADS = 64
 
 
@@ -120,7 +121,7 @@ class PackedKV:
         length = self.max_length
         if self.is_uniform:
             target[:, :length] = flat.view(target.shape[0], length, -1)
-        elif len(self.segments) <= SLICE_COPY_HEADS:
+        elif flat.device.type == "cpu" and self.lengths.numel() <= SLICE_COPY_HEADS:
             for head, (start, count) in enumerate(self.segments):
                 target[head, :count] = flat[start : start + count]
                 target[head, count:length] = 0
