@@ -120,7 +120,7 @@ class PackedKV:
         first, zeros up to ``max_length``; the rest of ``width`` is left alone."""
         length = self.max_length
         if self.is_uniform:
-            target[:, :length] = flat.view(target.shape[0], length, -1)
+            target[:, :length] = flat.view(target.shape[0], length, flat.shape[-1])
         elif flat.device.type == "cpu" and self.lengths.numel() <= SLICE_COPY_HEADS:
             for head, (start, count) in enumerate(self.segments):
                 target[head, :count] = flat[start : start + count]
@@ -137,15 +137,16 @@ class PackedKV:
             return flat.view(b, h, self.max_length, flat.shape[-1])
         grid = flat.new_empty(b * h, self.max_length, flat.shape[-1])
         self._lay_out(flat, grid)
-        return grid.view(b, h, self.max_length, -1)
+        return grid.view(b, h, self.max_length, flat.shape[-1])
 
     def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the padded, full-width layout into the first ``max_length`` positions of
         contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
         b, h, width, _ = keys.shape
-        self._lay_out(self.values, values.view(b * h, width, -1))
+        # explicit last dims: a view of zero elements cannot infer one
+        self._lay_out(self.values, values.view(b * h, width, values.shape[-1]))
         if self.channels is None:
-            self._lay_out(self.keys, keys.view(b * h, width, -1))
+            self._lay_out(self.keys, keys.view(b * h, width, keys.shape[-1]))
             return
         packed_keys = self._padded(self.keys)
         index = self.channels[:, :, None, :].expand_as(packed_keys)

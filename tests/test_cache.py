@@ -69,6 +69,15 @@ def test_dense_view_holds_each_heads_tokens_in_order(kept_channels, slice_copy_h
     assert torch.stack(packed.padding_slots, dim=-1).tolist() == expected_padding
 
 
+@pytest.mark.parametrize("kept_channels", [None, 5])
+def test_heads_that_keep_nothing_give_an_empty_view(kept_channels):
+    keys, values, plan = random_plan(kept_channels=kept_channels)
+    plan.keep[:] = False
+    dense_k, dense_v = PackedKV.from_plan(keys, values, plan).dense()
+    assert dense_k.shape == (*keys.shape[:2], 0, keys.shape[-1])
+    assert dense_v.shape == (*values.shape[:2], 0, values.shape[-1])
+
+
 def test_storage_is_packed_without_padding():
     keys, values, plan = random_plan(kept_channels=5)
     packed = PackedKV.from_plan(keys, values, plan)
