@@ -84,24 +84,26 @@ class Spans(TokenScorer):
 
 
 @dataclass
-class SpanSnapKV(SnapKV):
-    """SnapKV whose scores spread ``after`` tokens forward (``span-snapkv`` in policy strings)."""
+class _SpreadForward:
+    """Mixin for a scorer class: its scores spread ``after`` tokens forward (and ``before``
+    backward), as :class:`Spans` does around an instance."""
 
     after: int = 8
     before: int = 0
-    name = "span-snapkv"
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         return spread_scores(super().score(inputs), inputs.head_valid, self.after, self.before)
 
 
 @dataclass
-class SpanTOVA(TOVA):
+class SpanSnapKV(_SpreadForward, SnapKV):
+    """SnapKV whose scores spread ``after`` tokens forward (``span-snapkv`` in policy strings)."""
+
+    name = "span-snapkv"
+
+
+@dataclass
+class SpanTOVA(_SpreadForward, TOVA):
     """TOVA whose scores spread ``after`` tokens forward (``span-tova`` in policy strings)."""
 
-    after: int = 8
-    before: int = 0
     name = "span-tova"
-
-    def score(self, inputs: LayerInputs) -> torch.Tensor:
-        return spread_scores(super().score(inputs), inputs.head_valid, self.after, self.before)
