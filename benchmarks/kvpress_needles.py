@@ -16,9 +16,14 @@ then the answer is decoded greedily, as kvpatch's harness does.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cache import cache_bytes
 
 from kvpatch import demo
 from kvpatch.eval.tasks import HFCodec, make_samples
@@ -36,16 +41,12 @@ def presses(ratio: float) -> dict:
     }
 
 
-def cache_mb(cache: DynamicCache) -> float:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / 2**20
-
-
 @torch.no_grad()
 def answer(model, ids: torch.Tensor, press, new_tokens: int, eos: int | None):
     cache = DynamicCache(config=model.config)
     with press(model):
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
-    size = cache_mb(cache)
+    size = cache_bytes(cache) / 2**20
     tokens = [int(logits[0, -1].argmax())]
     position = ids.shape[1]
     while len(tokens) < new_tokens and tokens[-1] != eos:
