@@ -10,6 +10,9 @@ description :mod:`kvpatch.cache` attaches to the keys:
   attention mask is translated to the physical layout, and the stock function runs on the view.
   Where fake keys cannot be guaranteed (soft-capped logits, queries no hyperplane separates), the
   padding slots are masked explicitly instead.
+- :class:`~kvpatch.cache.ReplayView` (a KVzip context reconstruction): kvpatch computes the
+  attention itself, whatever the backend, since it needs the weights: it records each prefill
+  token's largest weight and returns the output.
 """
 
 from __future__ import annotations
@@ -20,25 +23,32 @@ from collections.abc import Callable
 import torch
 
 from kvpatch import compat
-from kvpatch.cache import CompressedView, PrefillView, view_of
+from kvpatch.cache import CompressedView, PrefillView, ReplayView, view_of
 from kvpatch.fake_keys import fake_keys
 from kvpatch.policies import LayerInputs, Policy
 
 BACKENDS = ("sdpa", "eager", "flash_attention_2")
 PREFIX = "kvpatch_"
 
-# Policy of each attention module of an enabled model (weak, so a deleted model is forgotten).
+# Policy and rotary embedding of each attention module of an enabled model (weak, so a deleted
+# model is forgotten).
 _module_policies: weakref.WeakKeyDictionary[torch.nn.Module, Policy | None] = (
     weakref.WeakKeyDictionary()
 )
+_module_rotary: weakref.WeakKeyDictionary[torch.nn.Module, Callable] = weakref.WeakKeyDictionary()
 
 
-def bind_policy(module: torch.nn.Module, policy: Policy | None) -> None:
+def bind_policy(
+    module: torch.nn.Module, policy: Policy | None, rotary: Callable | None = None
+) -> None:
     _module_policies[module] = policy
+    if rotary is not None:
+        _module_rotary[module] = rotary
 
 
 def unbind_policy(module: torch.nn.Module) -> None:
     _module_policies.pop(module, None)
+    _module_rotary.pop(module, None)
 
 
 def implementation_name(backend: str) -> str:
@@ -85,6 +95,8 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
         return _attend_compressed(
             backend, original, module, query, key, value, attention_mask, view, kwargs
         )
+    if isinstance(view, ReplayView):
+        return _attend_replay(module, query, key, value, view, kwargs)
     return original(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -106,8 +118,36 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
         valid=valid_tokens(attention_mask, key),
         scaling=_scaling(module, query, kwargs),
         layer_idx=getattr(module, "layer_idx", 0) or 0,
+        rotary=_module_rotary.get(module),
     )
-    view.layer.compress(policy, inputs, view.decode_budget)
+    if policy is not None and policy.needs_all_layers:
+        view.layer.defer(policy, inputs, view.decode_budget)
+    else:
+        view.layer.compress(policy, inputs, view.decode_budget)
+
+
+def _attend_replay(module, query, key, value, view: ReplayView, kwargs):
+    """Exact attention of a reconstruction chunk over prefill + chunk, in fp32; records, per
+    prefill token and KV head, the largest weight any real query of the head's group gives it."""
+    batch, kv_heads, total, _ = key.shape
+    q_heads, q_len = query.shape[1], query.shape[2]
+    group, prefill = q_heads // kv_heads, total - q_len
+    grouped = query.float().reshape(batch, kv_heads, group * q_len, -1)
+    scores = grouped @ key.float().transpose(-1, -2) * _scaling(module, query, kwargs)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    causal = torch.ones(q_len, total, dtype=torch.bool, device=key.device)
+    causal[:, prefill:] = torch.ones(q_len, q_len, dtype=torch.bool, device=key.device).tril()
+    visible = causal[None] & view.chunk.key_valid[:, None, :]  # [b, q, total]
+    visible = visible.repeat(1, group, 1)[:, None]  # rows ordered (group, q) like ``grouped``
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    real_queries = view.chunk.query_valid.repeat(1, group)[:, None, :, None]
+    received = (weights[..., :prefill] * real_queries).amax(dim=2)  # [b, kv_heads, prefill]
+    view.layer.record_replay_attention(received)
+    output = weights @ value.float()  # [b, kv_heads, group * q, dv]
+    output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
+    return output.to(query.dtype), None
 
 
 def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ Lengths are *logical* (tokens seen, which positions and masks follow) or *physic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,27 @@ class DecodeBudget:
 
 
 @dataclass
+class ReplayChunk:
+    """A context reconstruction in progress (:mod:`kvpatch.replay`): the chunk's tokens are
+    attended over the held prefill and forgotten afterwards.
+
+    ``key_valid`` ``[batch, prefill + chunk]`` marks real keys, ``query_valid`` ``[batch, chunk]``
+    the real queries whose attention is recorded.
+    """
+
+    key_valid: torch.Tensor
+    query_valid: torch.Tensor
+
+
+@dataclass
+class ReplayView:
+    """Marks the keys of a layer during a reconstruction chunk: the prefill, then the chunk."""
+
+    layer: CompressedLayer
+    chunk: ReplayChunk
+
+
+@dataclass
 class CompressedView:
     """Describes the dense view returned for a compressed layer.
 
@@ -80,12 +102,15 @@ class CompressedView:
     padding_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def mark(keys: torch.Tensor, view: PrefillView | CompressedView) -> torch.Tensor:
+View = PrefillView | CompressedView | ReplayView
+
+
+def mark(keys: torch.Tensor, view: View) -> torch.Tensor:
     setattr(keys, _VIEW_ATTRIBUTE, view)
     return keys
 
 
-def view_of(keys: torch.Tensor) -> PrefillView | CompressedView | None:
+def view_of(keys: torch.Tensor) -> View | None:
     """The kvpatch description attached to keys returned by a :class:`CompressedLayer`, if any."""
     return getattr(keys, _VIEW_ATTRIBUTE, None)
 
@@ -113,6 +138,10 @@ class CompressedLayer(DynamicLayer):
         self.key_norm_bound: torch.Tensor | None = None
         self.awaiting_compression = False
         self.passthrough = False
+        # a policy that plans every layer at once: the prefill's inputs, until the cache compresses
+        self.deferred: LayerInputs | None = None
+        self.replay: ReplayChunk | None = None
+        self.replay_attention: torch.Tensor | None = None
         # what decoding-time compression needs
         self.policy: Policy | None = None
         self.decode_budget: DecodeBudget | None = None
@@ -138,6 +167,8 @@ class CompressedLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.deferred is not None:
+            return self._replay_view(key_states, value_states)
         first_forward = self.seen == 0
         self.seen += key_states.shape[-2]
         if self.packed is not None:
@@ -159,6 +190,25 @@ class CompressedLayer(DynamicLayer):
         return -1
 
     get_max_cache_shape = get_max_length
+
+    def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The prefill and a reconstruction chunk, which is not stored."""
+        if self.replay is None:
+            raise ValueError(
+                "this cache waits for a context reconstruction (the policy scores tokens with "
+                "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
+                "model.generate on an enabled model, not with a plain forward"
+            )
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        return mark(keys, ReplayView(self, self.replay)), values
+
+    def record_replay_attention(self, attention: torch.Tensor) -> None:
+        """Keep the largest attention each prefill token got, ``[batch, kv_heads, prefill]``."""
+        if self.replay_attention is None:
+            self.replay_attention = attention
+        else:
+            self.replay_attention = torch.maximum(self.replay_attention, attention)
 
     def reset(self) -> None:
         compat.clear_layer(self)
@@ -237,13 +287,19 @@ class CompressedLayer(DynamicLayer):
         policy: Policy | None,
         inputs: LayerInputs,
         decode_budget: DecodeBudget | None = None,
+        plan: Plan | None = None,
     ) -> None:
-        """Replace the prefill by what ``policy`` keeps (called once, right after the prefill)."""
+        """Replace the prefill by what ``policy`` keeps (called once, right after the prefill,
+        or with the ``plan`` made for every layer at once)."""
         self.awaiting_compression = False
+        self.deferred = self.replay = self.replay_attention = None
         if policy is None or inputs.num_tokens <= 1:
             self.passthrough = True
             return
-        plan = policy.plan(inputs)
+        if decode_budget is not None:
+            _check_decode_budget(policy, decode_budget)
+        if plan is None:
+            plan = policy.plan(inputs)
         _check_plan(plan, inputs)
         start = plan.full_width_from
         self._store(
@@ -256,8 +312,24 @@ class CompressedLayer(DynamicLayer):
         self.policy, self.decode_budget = policy, decode_budget
         self.scaling, self.layer_idx = inputs.scaling, inputs.layer_idx
         if decode_budget is not None:
-            _check_decode_budget(policy, decode_budget)
             self.remember_queries(inputs.queries)
+
+    def defer(
+        self, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None = None
+    ) -> None:
+        """Hold the prefill densely until the cache compresses every layer together."""
+        self.awaiting_compression = False
+        if decode_budget is not None:
+            _check_decode_budget(policy, decode_budget)
+        if inputs.num_tokens <= 1:
+            self.passthrough = True
+            return
+        if policy.needs_replay:  # KVzip scores need no query; a ThinK window needs the last ones
+            inputs = dataclasses.replace(
+                inputs, queries=inputs.queries[..., -RECENT_QUERIES:, :].clone()
+            )
+        self.deferred = inputs
+        self.policy, self.decode_budget = policy, decode_budget
 
     def _store(
         self,
@@ -445,7 +517,12 @@ def token_policy_of(policy: Policy) -> Policy:
 
 
 def _check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
-    token_policy_of(policy)
+    if token_policy_of(policy).needs_replay:
+        raise ValueError(
+            f"{policy.name!r} scores tokens from a reconstruction of the prefilled context and "
+            "cannot compress while decoding; drop decode_budget or use a policy that scores "
+            "from queries (snapkv, tova, ...)"
+        )
     if budget.tokens < policy.protected_tokens:
         raise ValueError(
             f"decode_budget={budget.tokens} is smaller than the {policy.protected_tokens} tokens "
@@ -497,6 +574,8 @@ class CompressedDynamicCache(DynamicCache):
         self.decode_budget = (
             None if decode_budget is None else DecodeBudget(decode_budget, decode_interval)
         )
+        if self.policy is not None and self.decode_budget is not None:
+            _check_decode_budget(self.policy, self.decode_budget)
         if self.layer_class_to_replicate is not None:
             self.layer_class_to_replicate = CompressedLayer
         self.layers = [
@@ -504,11 +583,35 @@ class CompressedDynamicCache(DynamicCache):
         ]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
+        if deferred and not layer.replay and not layer.policy.needs_replay:
+            self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         view = view_of(keys)
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget
         return keys, values
+
+    @property
+    def deferred_layers(self) -> list[CompressedLayer]:
+        """Layers holding their whole prefill until :meth:`compress_deferred`."""
+        return [layer for layer in self.compressed_layers if layer.deferred is not None]
+
+    def compress_deferred(self) -> None:
+        """Compress the layers whose policy plans every layer at once (shared budgets, KVzip's
+        reconstruction scores in ``layer.replay_attention``)."""
+        layers = self.deferred_layers
+        if not layers:
+            return
+        policy = layers[0].policy
+        inputs = [
+            dataclasses.replace(layer.deferred, replay_attention=layer.replay_attention)
+            for layer in layers
+        ]
+        plans = policy.plan_layers(inputs)
+        for layer, layer_inputs, plan in zip(layers, inputs, plans, strict=True):
+            layer.compress(policy, layer_inputs, layer.decode_budget, plan=plan)
 
     @property
     def compressed_layers(self) -> list[CompressedLayer]:

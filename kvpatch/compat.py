@@ -195,3 +195,26 @@ def cache_of(output) -> object | None:
         if cache is not None:
             return cache
     return None
+
+
+def rotary_function(model: torch.nn.Module) -> Callable | None:
+    """The rotary embedding of the model's full-attention layers as ``positions [n] -> (cos, sin)``
+    (each ``[n, head_dim]``, float32), or None for a model without one.
+
+    It is the decoder's ``rotary_emb`` module in every supported release; Gemma 3's takes the
+    layer type from 5.x (``forward(x, position_ids, layer_type)``) and had a separate
+    ``rotary_emb_local`` for sliding layers before.
+    """
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        return None
+    takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        anchor = torch.zeros(1, device=positions.device, dtype=torch.float32)
+        extra = {"layer_type": "full_attention"} if takes_layer_type else {}
+        with torch.no_grad():
+            cos, sin = rotary(anchor, positions[None], **extra)
+        return cos[0].float(), sin[0].float()
+
+    return cos_sin

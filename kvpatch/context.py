@@ -19,7 +19,7 @@ import torch
 
 from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache
-from kvpatch.patching import is_enabled
+from kvpatch.patching import is_enabled, prefill_into
 from kvpatch.policies import Policy
 
 
@@ -71,6 +71,7 @@ def prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     policy: str | Policy | None = None,
+    tokenizer=None,
     **cache_kwargs,
 ) -> CompressedContext:
     """Run the context through ``model`` once and compress its cache.
@@ -81,6 +82,8 @@ def prefill(
     input_ids : ``[batch, tokens]`` context (left-padded for a batch).
     attention_mask : its padding mask; all ones by default.
     policy : overrides the model's policy for this context.
+    tokenizer : for ``kvzip``, which asks the model to repeat the context (defaults to the one
+        given to :func:`kvpatch.enable`, or found in the model's checkpoint directory).
     cache_kwargs : passed to :class:`~kvpatch.CompressedDynamicCache` (e.g. ``decode_budget``).
     """
     if not is_enabled(model):
@@ -90,12 +93,5 @@ def prefill(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
-    with torch.no_grad():
-        model(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            **{compat.cache_argument(model): cache},
-        )
+    prefill_into(model, cache, input_ids, attention_mask, tokenizer)
     return CompressedContext(model, input_ids, attention_mask, cache)

@@ -20,6 +20,7 @@ import wrapt
 from kvpatch import attention, compat
 from kvpatch.cache import CompressedDynamicCache
 from kvpatch.policies import Policy, parse_policy
+from kvpatch.replay import finish_prefill
 
 _MISSING = object()
 
@@ -29,6 +30,7 @@ class _Patch:
     policy: Policy | None
     implementation: str
     attention_modules: list[torch.nn.Module]
+    tokenizer: object = None
     instance_generate: object = field(default=_MISSING)
 
 
@@ -78,7 +80,7 @@ def _check_supported(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]
     return implementation, modules
 
 
-def enable(model: torch.nn.Module, policy: str | Policy | None = None) -> None:
+def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer=None) -> None:
     """Compress ``model``'s KV cache with ``policy`` from now on.
 
     Parameters
@@ -86,6 +88,8 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None) -> None:
     model : a transformers decoder-only model loaded with sdpa, eager or flash_attention_2.
     policy : a policy string (``"think+snapkv"``) or :class:`~kvpatch.policies.Policy`. With None,
         only caches that carry their own policy are compressed.
+    tokenizer : the model's tokenizer, which ``kvzip`` needs to ask for its context again; found
+        in the model's local checkpoint directory when not given.
     """
     policy = parse_policy(policy)
     if is_enabled(model):
@@ -94,10 +98,13 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None) -> None:
         )
     implementation, modules = _check_supported(model)
     attention.register()
-    patch = _Patch(policy, implementation, modules, model.__dict__.get("generate", _MISSING))
+    patch = _Patch(
+        policy, implementation, modules, tokenizer, model.__dict__.get("generate", _MISSING)
+    )
     compat.set_attention_implementation(model, attention.implementation_name(implementation))
+    rotary = compat.rotary_function(model)
     for module in modules:
-        attention.bind_policy(module, policy)
+        attention.bind_policy(module, policy, rotary)
     model.generate = wrapt.FunctionWrapper(model.generate, _generate_with_compressed_cache)
     _patches[model] = patch
 
@@ -116,12 +123,66 @@ def disable(model: torch.nn.Module) -> None:
         model.generate = patch.instance_generate
 
 
+def policy_of(model: torch.nn.Module) -> Policy | None:
+    """The policy ``model`` was enabled with (None if none, or not enabled)."""
+    patch = _patches.get(model)
+    return None if patch is None else patch.policy
+
+
+def tokenizer_of(model: torch.nn.Module, tokenizer=None):
+    """``tokenizer``, else the one given to :func:`enable`, else the one saved with the model's
+    local checkpoint (never downloaded), else None."""
+    if tokenizer is not None:
+        return tokenizer
+    patch = _patches.get(model)
+    if patch is not None and patch.tokenizer is not None:
+        return patch.tokenizer
+    path = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        found = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no local tokenizer files: the caller says what to pass
+        return None
+    if patch is not None:
+        patch.tokenizer = found
+    return found
+
+
+def prefill_into(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    tokenizer=None,
+) -> torch.Tensor:
+    """One forward of ``input_ids`` into ``cache``, compressed as its policy says (KVzip's
+    reconstruction included); returns the logits of the last position."""
+    with torch.no_grad():
+        out = model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+        )
+        deferred = cache.deferred_layers
+        if deferred:
+            if deferred[0].policy.needs_replay:
+                tokenizer = tokenizer_of(model, tokenizer)
+            finish_prefill(model, cache, input_ids, attention_mask, tokenizer)
+    return out.logits
+
+
 @contextlib.contextmanager
 def enabled(
-    model: torch.nn.Module, policy: str | Policy | None = None
+    model: torch.nn.Module, policy: str | Policy | None = None, tokenizer=None
 ) -> Iterator[torch.nn.Module]:
     """``with kvpatch.enabled(model, "snapkv"): model.generate(...)``"""
-    enable(model, policy)
+    enable(model, policy, tokenizer)
     try:
         yield model
     finally:
@@ -135,4 +196,26 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     )
     if wants_cache and all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS):
         kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
+    cache = next((kwargs.get(name) for name in compat.CACHE_ARGUMENTS if kwargs.get(name)), None)
+    if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
+        policy = cache.policy if cache.policy is not None else policy_of(model)
+        if policy is not None and policy.needs_replay:
+            _prefill_for_generate(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
+
+
+def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) -> None:
+    """Prefill all but the last prompt token before ``generate`` runs, so that a KVzip policy can
+    reconstruct the prompt; ``generate`` then continues from the compressed cache."""
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(
+            "kvzip reconstructs the prompt from its token ids: pass input_ids to generate "
+            "(inputs_embeds alone cannot be replayed)"
+        )
+    if input_ids.shape[1] < 2:
+        return
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    prefill_into(model, cache, input_ids[:, :-1], mask[:, :-1], tokenizer=kwargs.get("tokenizer"))

@@ -11,7 +11,7 @@ import pytest
 from kvpatch.eval import EvalConfig, make_sample, run_eval, with_ratio
 from kvpatch.eval.cli import main
 from kvpatch.eval.harness import summarize
-from kvpatch.eval.tasks import TASKS, ByteCodec
+from kvpatch.eval.tasks import TASKS, ByteCodec, make_context, make_samples
 
 
 def test_tasks_hide_their_answers_where_they_say():
@@ -20,12 +20,29 @@ def test_tasks_hide_their_answers_where_they_say():
         sample = make_sample(task, codec, 600, random.Random(0))
         ids = sample.input_ids.tolist()
         assert abs(len(ids) - 600) <= 30
-        assert len(sample.answers) == {"single": 1, "multikey": 1, "multivalue": 4}[task]
+        assert len(sample.answers) == {"multivalue": 4}.get(task, 1)
         for answer, span in zip(sample.answers, sample.needle_spans, strict=True):
             assert codec.decode([ids[i] for i in span]) == answer
         text = codec.decode(ids)
-        assert text.count("One of the special magic numbers for") == {"single": 1}.get(task, 4)
+        needles = {"single": 1, "multiquestion": 3}.get(task, 4)
+        assert text.count("One of the special magic numbers for") == needles
         assert sample.score(" ".join(sample.answers)) == 1.0 and sample.score("nothing") == 0.0
+
+
+def test_multiquestion_asks_each_fact_of_one_context():
+    codec = ByteCodec()
+    samples = make_context("multiquestion", codec, 600, random.Random(0), questions=3)
+    assert len(samples) == 3
+    context = samples[0].context_ids
+    assert all(s.context_ids is context for s in samples)  # one context, three questions
+    assert len({s.answers[0] for s in samples}) == 3
+    assert len({codec.decode(s.question_ids.tolist()) for s in samples}) == 3
+    for sample in samples:
+        ids = sample.input_ids.tolist()
+        (span,) = sample.needle_spans
+        assert codec.decode([ids[i] for i in span]) == sample.answers[0]
+    numbered = make_samples(["single", "multiquestion"], codec, 300, samples=2)
+    assert [s.context for s in numbered] == [0, 1, 2, 2, 2, 3, 3, 3]
 
 
 def test_policy_sweep_fills_missing_ratios():
@@ -76,12 +93,13 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
 def test_shared_prefill_matches_separate_prefills(tmp_path):
     """One recorded prefill per sample gives every policy the cache its own prefill would."""
     common = dict(
-        model="tiny", policies=["snapkv", "think:0.5+ada-snapkv"], ratios=[0.75],
-        tasks=["single"], samples=1, context_tokens=160, digits=3, plot=False, progress=False,
+        model="tiny", ratios=[0.75], samples=1, context_tokens=160, digits=3, plot=False,
+        policies=["snapkv", "think:0.5+ada-snapkv", "kvzip", "global-kvzip", "expected-attention"],
+        tasks=["single", "multiquestion"], progress=False,
     )  # fmt: skip
     shared = run_eval(EvalConfig(**common, output=str(tmp_path / "a")))
     separate = run_eval(EvalConfig(**common, shared_prefill=False, output=str(tmp_path / "b")))
-    key = lambda r: (r["mode"], r["spec"])
+    key = lambda r: (r["task"], r["mode"], r["spec"], r["sample"])
     a = {key(r): r for r in shared["records"]}
     b = {key(r): r for r in separate["records"]}
     assert a.keys() == b.keys()
@@ -89,6 +107,13 @@ def test_shared_prefill_matches_separate_prefills(tmp_path):
         assert a[k]["answer"] == b[k]["answer"], k
         assert a[k]["kv_bytes"] == b[k]["kv_bytes"], k
         assert a[k]["needle_survival"] == b[k]["needle_survival"], k
+    # the three questions of a context: one compressed context, the same bytes for each question
+    for spec in ("kvzip:0.75", "snapkv:0.75"):
+        group = [r for r in shared["records"] if r["task"] == "multiquestion" and r["spec"] == spec]
+        agnostic = [r for r in group if r["mode"] == "agnostic"]
+        assert len(agnostic) == 3 and len({r["context"] for r in agnostic}) == 1
+        assert len({r["kv_bytes"] for r in agnostic}) == 1
+        assert len({r["expected"] for r in agnostic}) == 3
 
 
 def test_needle_kept_by_token_averages_over_samples():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -16,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpatch
-from kvpatch import compat
+from kvpatch import compat, replay
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
 from kvpatch.eval.tasks import TASKS, ByteCodec, Codec, HFCodec, Sample, make_samples
 from kvpatch.packed import storage_nbytes
@@ -205,25 +207,39 @@ def _finish(model, ids, split, cache, logits, max_new_tokens, stop) -> list[int]
 
 @torch.no_grad()
 def answer(
-    model, sample: Sample, policy: str | None, mode: str, max_new_tokens: int, stop=None
+    model,
+    sample: Sample,
+    policy: str | None,
+    mode: str,
+    max_new_tokens: int,
+    stop=None,
+    tokenizer=None,
+    context_cache=None,
 ) -> dict:
     """Answer one sample with its own prefill; ``policy`` None is the full cache on the unpatched
-    model. In ``agnostic`` mode the context goes through :func:`kvpatch.prefill` first."""
+    model. In ``agnostic`` mode the context goes through :func:`kvpatch.prefill` first, or is
+    ``context_cache``, a context already compressed (a copy of it is used)."""
     argument = compat.cache_argument(model)
     ids = sample.input_ids[None].to(model.device)
     split = sample.context_ids.shape[0] if mode == "agnostic" else ids.shape[1]
     logits = None
     start = time.perf_counter()
-    if policy is None:
+    if context_cache is not None:
+        cache = copy.deepcopy(context_cache)
+    elif policy is None:
         cache = DynamicCache(config=model.config)
         out = model(ids[:, :split], use_cache=True, logits_to_keep=1, **{argument: cache})
         logits = out.logits
     elif mode == "agnostic":
-        cache = kvpatch.prefill(model, ids[:, :split], policy=policy).cache
+        cache = kvpatch.prefill(model, ids[:, :split], policy=policy, tokenizer=tokenizer).cache
     else:
         cache = CompressedDynamicCache(config=model.config, policy=policy)
-        logits = model(ids, use_cache=True, logits_to_keep=1, **{argument: cache}).logits
+        logits = kvpatch.patching.prefill_into(model, cache, ids, torch.ones_like(ids), tokenizer)
     prefill_s = time.perf_counter() - start
+    return _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop)
+
+
+def _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop):
     kv_bytes = cache_nbytes(cache)
     survival = needle_survival(cache, sample.needle_spans)
     start = time.perf_counter()
@@ -266,6 +282,10 @@ class SharedPrefill:
     inputs: dict[int, LayerInputs]
     logits: torch.Tensor
     seconds: float
+    input_ids: torch.Tensor
+    #: KVzip's reconstruction attention per (prefix length, chunk size, overlap), per layer
+    replays: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    replay_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -283,30 +303,60 @@ class SharedPrefill:
         finally:
             if not was_enabled:
                 kvpatch.disable(model)
-        return cls(recorder.inputs, out.logits, seconds)
+        return cls(recorder.inputs, out.logits, seconds, ids)
 
-    def cache(self, model, policy: str | None, length: int | None = None):
+    def cache(self, model, policy: str | None, length: int | None = None, tokenizer=None):
         """A cache holding the first ``length`` tokens, compressed with ``policy`` (None: a stock
-        ``DynamicCache``), as a prefill of those tokens would have left it."""
+        ``DynamicCache``), as a prefill of those tokens would have left it. A KVzip policy
+        reconstructs that prefix once (``tokenizer`` gives its prompt); other ratios reuse it."""
         if policy is None:
             cache = DynamicCache(config=model.config)
         else:
             cache = CompressedDynamicCache(config=model.config, policy=policy)
+        length = length or self.input_ids.shape[1]
+        deferred = policy is not None and cache.policy.needs_all_layers
         for index, layer in enumerate(cache.layers):
             inputs = self.inputs[index]
-            if length is not None and length < inputs.num_tokens:
-                inputs = LayerInputs(
+            if length < inputs.num_tokens:
+                inputs = dataclasses.replace(
+                    inputs,
                     queries=inputs.queries[:, :, :length],
                     keys=inputs.keys[:, :, :length],
                     values=inputs.values[:, :, :length],
                     valid=inputs.valid[..., :length],
-                    scaling=inputs.scaling,
-                    layer_idx=inputs.layer_idx,
                 )
             layer.update(inputs.keys, inputs.values)
             if isinstance(layer, CompressedLayer):
-                layer.compress(cache.policy, inputs)
+                if deferred:
+                    layer.defer(cache.policy, inputs)
+                else:
+                    layer.compress(cache.policy, inputs)
+        if deferred and cache.policy.needs_replay:
+            self._replay(model, cache, length, tokenizer)
+        if deferred:
+            cache.compress_deferred()
         return cache
+
+    def _replay(self, model, cache: CompressedDynamicCache, length: int, tokenizer) -> None:
+        scorer = replay.replay_scorer(cache.policy)
+        key = (length, scorer.chunk_size, scorer.overlap)
+        if key not in self.replays:
+            ids = self.input_ids[:, :length]
+            start = time.perf_counter()
+            prompts = replay.RepeatPrompts(tokenizer, ids.device)
+            replay.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
+            self.replay_seconds[key] = time.perf_counter() - start
+            self.replays[key] = [layer.replay_attention for layer in cache.deferred_layers]
+        for layer, attention in zip(cache.deferred_layers, self.replays[key], strict=True):
+            layer.replay_attention = attention
+
+    def replay_time(self, policy: str | None, length: int) -> float:
+        """Seconds the reconstruction of the first ``length`` tokens took for ``policy``."""
+        parsed = kvpatch.parse_policy(policy)
+        if parsed is None or not parsed.needs_replay:
+            return 0.0
+        scorer = replay.replay_scorer(parsed)
+        return self.replay_seconds.get((length, scorer.chunk_size, scorer.overlap), 0.0)
 
 
 @torch.no_grad()
@@ -318,29 +368,45 @@ def answer_shared(
     mode: str,
     max_new_tokens: int,
     stop=None,
+    tokenizer=None,
+    context_cache=None,
 ) -> dict:
-    """Like :func:`answer`, with the cache built from a :class:`SharedPrefill` of the prompt."""
+    """Like :func:`answer`, with the cache built from a :class:`SharedPrefill` of the prompt (or
+    a copy of ``context_cache``, built from it before)."""
     ids = sample.input_ids[None].to(model.device)
     split = sample.context_ids.shape[0] if mode == "agnostic" else ids.shape[1]
     start = time.perf_counter()
-    cache = prefill.cache(model, policy, split)
-    compress_s = time.perf_counter() - start
-    kv_bytes = cache_nbytes(cache)
-    survival = needle_survival(cache, sample.needle_spans)
+    if context_cache is not None:
+        cache = copy.deepcopy(context_cache)
+    else:
+        cache = prefill.cache(model, policy, split, tokenizer)
+    compress_s = time.perf_counter() - start + prefill.replay_time(policy, split)
     logits = prefill.logits if split == ids.shape[1] else None
     if policy is not None and not kvpatch.is_enabled(model):
         kvpatch.enable(model)
-    start = time.perf_counter()
-    tokens = _finish(model, ids, split, cache, logits, max_new_tokens, stop)
-    return {
-        "tokens": tokens,
-        # the prefill's forward is shared; its time (scaled to this prefix) plus compression
-        "prefill_s": prefill.seconds * split / ids.shape[1] + compress_s,
-        "decode_s": time.perf_counter() - start,
-        "new_tokens": len(tokens),
-        "kv_bytes": kv_bytes,
-        "needle_survival": survival,
-    }
+    # the prefill's forward is shared: its time (scaled to this prefix) plus compression
+    prefill_s = prefill.seconds * split / ids.shape[1] + compress_s
+    return _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop)
+
+
+@torch.no_grad()
+def build_context(model, sample: Sample, policy: str | None, tokenizer=None):
+    """The cache of ``sample``'s context alone: compressed with ``policy`` (:func:`kvpatch.prefill`)
+    or, for None, a full ``DynamicCache``."""
+    ids = sample.context_ids[None].to(model.device)
+    if policy is not None:
+        return kvpatch.prefill(model, ids, policy=policy, tokenizer=tokenizer).cache
+    cache = DynamicCache(config=model.config)
+    model(ids, use_cache=True, logits_to_keep=1, **{compat.cache_argument(model): cache})
+    return cache
+
+
+def context_groups(samples: list[Sample]) -> list[list[tuple[int, Sample]]]:
+    """``(index, sample)`` pairs grouped by the context they ask about, in order."""
+    groups: dict[int, list[tuple[int, Sample]]] = defaultdict(list)
+    for index, sample in enumerate(samples):
+        groups[sample.context].append((index, sample))
+    return list(groups.values())
 
 
 # -- the whole evaluation ------------------------------------------------------------------------
@@ -376,6 +442,7 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
                 "ratio": ratio,
                 "spec": spec or FULL,
                 "sample": index,
+                "context": sample.context,
                 "depth": round(sample.depth, 4),
                 "expected": " ".join(sample.answers),
                 "answer": text.strip(),
@@ -390,33 +457,49 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
         start = int(sample.input_ids.shape[0])
         return _AnswerComplete(codec, start, len(sample.answers), config.digits)
 
+    tokenizer = codec.tokenizer if isinstance(codec, HFCodec) else codec  # for KVzip's prompt
     try:
-        if config.shared_prefill:
-            if not was_enabled:
-                kvpatch.enable(model)  # stock attention on stock caches; each cache its policy
-            for index, sample in enumerate(samples):
-                prefill = SharedPrefill.run(model, sample.input_ids[None].to(model.device))
-                limit = new_tokens_for(sample, config.digits)
-                for mode in config.modes:
-                    for policy, ratio in runs:
-                        spec = None if policy == FULL else with_ratio(policy, ratio)
-                        result = answer_shared(
-                            model, sample, prefill, spec, mode, limit, stop_for(sample)
-                        )
-                        record(index, sample, mode, policy, ratio, spec, result)
-                del prefill
-        else:
-            for policy, ratio in runs:
-                spec = None if policy == FULL else with_ratio(policy, ratio)
-                if spec is None and kvpatch.is_enabled(model):
-                    kvpatch.disable(model)
-                if spec is not None and not kvpatch.is_enabled(model):
-                    kvpatch.enable(model)  # the cache carries the policy
-                for mode in config.modes:
-                    for index, sample in enumerate(samples):
+        if not was_enabled:
+            kvpatch.enable(model)  # stock attention on stock caches; each cache its policy
+        for indexed in context_groups(samples):
+            group = [sample for _, sample in indexed]
+            if config.shared_prefill:
+                asked = group if "prefill" in config.modes else group[:1]
+                prefills = [
+                    SharedPrefill.run(model, s.input_ids[None].to(model.device)) for s in asked
+                ]
+            for mode in config.modes:
+                for policy, ratio in runs:
+                    spec = None if policy == FULL else with_ratio(policy, ratio)
+                    context_cache, context_s = None, 0.0
+                    if mode == "agnostic" and len(group) > 1:  # one compressed context, copied
+                        start = time.perf_counter()
+                        if config.shared_prefill:
+                            split = group[0].context_ids.shape[0]
+                            context_cache = prefills[0].cache(model, spec, split, tokenizer)
+                            context_s = prefills[0].replay_time(spec, split)
+                        else:
+                            context_cache = build_context(model, group[0], spec, tokenizer)
+                        context_s += time.perf_counter() - start
+                    for offset, (index, sample) in enumerate(indexed):
                         limit = new_tokens_for(sample, config.digits)
-                        result = answer(model, sample, spec, mode, limit, stop_for(sample))
+                        options = dict(stop=stop_for(sample), tokenizer=tokenizer)
+                        if config.shared_prefill:
+                            shared = prefills[offset if mode == "prefill" else 0]
+                            result = answer_shared(
+                                model, sample, shared, spec, mode, limit,
+                                context_cache=context_cache, **options,
+                            )  # fmt: skip
+                        else:
+                            result = answer(
+                                model, sample, spec, mode, limit,
+                                context_cache=context_cache, **options,
+                            )  # fmt: skip
+                        if context_cache is not None:
+                            result["prefill_s"] += context_s
                         record(index, sample, mode, policy, ratio, spec, result)
+            if config.shared_prefill:
+                del prefills
     finally:
         progress.close()
         if was_enabled and not kvpatch.is_enabled(model):

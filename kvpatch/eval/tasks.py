@@ -5,7 +5,10 @@ A haystack of random common words hides *needles*, ``One of the special magic nu
 
 - ``single`` — one needle;
 - ``multikey`` — one needle asked for among distractor needles with other keys;
-- ``multivalue`` — several needles with the same key; all their values are asked for.
+- ``multivalue`` — several needles with the same key; all their values are asked for;
+- ``multiquestion`` — several needles with different keys, each asked for by its own question
+  about the same context (one sample per question, sharing ``context_ids``): compress the context
+  once, answer every question from a copy of that cache.
 
 Each sample is one token sequence: ``context_ids`` (instructions, haystack and needles) then
 ``question_ids`` (the question and the start of the answer). A sample can be answered with the
@@ -91,7 +94,7 @@ lantern lemon magnet meadow mirror needle orchard otter parrot pebble pillow pir
 ribbon saddle tablet teapot thimble tiger tulip tunnel violin walrus wagon whistle window zebra
 """.split()  # noqa: SIM905
 
-TASKS = ("single", "multikey", "multivalue")
+TASKS = ("single", "multikey", "multivalue", "multiquestion")
 
 INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize "
@@ -142,7 +145,15 @@ class HFCodec(Codec):
 
 
 class ByteCodec(Codec):
-    """One token per byte (ids 0-255): for tiny random models, which need no tokenizer."""
+    """One token per byte (ids 0-255): for tiny random models, which need no tokenizer.
+
+    Callable like a tokenizer without a chat template, for what needs one (KVzip's prompt).
+    """
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": self.encode(text)[0]}
 
     def encode(self, text: str):
         ids, spans = [], []
@@ -167,6 +178,8 @@ class Sample:
     answers : the values the answer must contain.
     needle_spans : for each expected value, the token positions (in the prompt) of its digits.
     depth : relative position of the (first) asked needle in the haystack.
+    context : index of the context among the samples; samples of one context share
+        ``context_ids`` (``multiquestion``).
     """
 
     task: str
@@ -175,6 +188,7 @@ class Sample:
     answers: list[str]
     needle_spans: list[list[int]] = field(default_factory=list)
     depth: float = 0.0
+    context: int = 0
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -201,32 +215,10 @@ def _value(rng: random.Random, taken: set[str], digits: int) -> str:
             return value
 
 
-def make_sample(
-    task: str,
-    codec: Codec,
-    context_tokens: int,
-    rng: random.Random,
-    digits: int = 6,
-    distractors: int = 3,
-    values: int = 4,
-) -> Sample:
-    """Generate one sample of about ``context_tokens`` prompt tokens."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-    keys: set[str] = set()
-    numbers: set[str] = set()
-    key = _key(rng, keys)
-    if task == "single":
-        needles = [(key, _value(rng, numbers, digits))]
-    elif task == "multikey":
-        needles = [(key, _value(rng, numbers, digits))]
-        needles += [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(distractors)]
-    else:
-        needles = [(key, _value(rng, numbers, digits)) for _ in range(values)]
-    answers = [v for k, v in needles if k == key]
+def _question_text(codec: Codec, key: str, several: bool) -> str:
     # "Answer with the number(s) only" and an answer prefix ending in a colon: without them this
     # model often answers with a haystack word instead of the number, even with the full cache
-    if task == "multivalue":
+    if several:
         question = (
             f"What are all the special magic numbers for {key} mentioned in the provided text? "
             "Answer with the numbers only."
@@ -238,9 +230,56 @@ def make_sample(
             "Answer with the number only."
         )
         prefix = f"The special magic number for {key} is:"
-    before, after = codec.wrap("\x01")
-    question_text = f"\n{question}{after or chr(10)}{prefix}"
-    overhead = len(codec.encode(before + INSTRUCTION)[0]) + len(codec.encode(question_text)[0])
+    after = codec.wrap("\x01")[1]
+    return f"\n{question}{after or chr(10)}{prefix}"
+
+
+def make_sample(
+    task: str,
+    codec: Codec,
+    context_tokens: int,
+    rng: random.Random,
+    digits: int = 6,
+    distractors: int = 3,
+    values: int = 4,
+) -> Sample:
+    """Generate one sample of about ``context_tokens`` prompt tokens (for ``multiquestion``,
+    the sample of its first question: see :func:`make_context`)."""
+    return make_context(task, codec, context_tokens, rng, digits, distractors, values)[0]
+
+
+def make_context(
+    task: str,
+    codec: Codec,
+    context_tokens: int,
+    rng: random.Random,
+    digits: int = 6,
+    distractors: int = 3,
+    values: int = 4,
+    questions: int = 3,
+) -> list[Sample]:
+    """Generate one context of about ``context_tokens`` prompt tokens and the samples that ask
+    about it: one, or ``questions`` for ``multiquestion``."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    keys: set[str] = set()
+    numbers: set[str] = set()
+    key = _key(rng, keys)
+    if task == "single":
+        needles = [(key, _value(rng, numbers, digits))]
+    elif task == "multikey":
+        needles = [(key, _value(rng, numbers, digits))]
+        needles += [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(distractors)]
+    elif task == "multiquestion":
+        needles = [(key, _value(rng, numbers, digits))]
+        needles += [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(questions - 1)]
+    else:
+        needles = [(key, _value(rng, numbers, digits)) for _ in range(values)]
+    asked = [k for k, _ in needles] if task == "multiquestion" else [key]
+    question_texts = [_question_text(codec, k, task == "multivalue") for k in asked]
+    before = codec.wrap("\x01")[0]
+    longest = max(len(codec.encode(text)[0]) for text in question_texts)
+    overhead = len(codec.encode(before + INSTRUCTION)[0]) + longest
     sentences = [f" One of the special magic numbers for {k} is: {v}." for k, v in needles]
     overhead += sum(len(codec.encode(s)[0]) for s in sentences)
     budget = max(context_tokens - overhead, 16)
@@ -270,29 +309,41 @@ def make_sample(
 
     context_text = before + INSTRUCTION + haystack
     context_ids, spans = codec.encode(context_text)
-    question_ids, _ = codec.encode(question_text)
-    needle_spans = []
-    for answer in answers:
-        start = context_text.index(f" is: {answer}.") + len(" is: ")
-        end = start + len(answer)
-        needle_spans.append([i for i, (a, b) in enumerate(spans) if a < end and b > start])
-    first = min(s[0] for s in needle_spans)
-    return Sample(
-        task=task,
-        context_ids=torch.tensor(context_ids, dtype=torch.long),
-        question_ids=torch.tensor(question_ids, dtype=torch.long),
-        answers=answers,
-        needle_spans=needle_spans,
-        depth=first / max(len(context_ids), 1),
-    )
+    context_tensor = torch.tensor(context_ids, dtype=torch.long)
+    samples = []
+    for asked_key, question_text in zip(asked, question_texts, strict=True):
+        answers = [v for k, v in needles if k == asked_key]
+        needle_spans = []
+        for answer in answers:
+            start = context_text.index(f" is: {answer}.") + len(" is: ")
+            end = start + len(answer)
+            needle_spans.append([i for i, (a, b) in enumerate(spans) if a < end and b > start])
+        first = min(s[0] for s in needle_spans)
+        samples.append(
+            Sample(
+                task=task,
+                context_ids=context_tensor,
+                question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
+                answers=answers,
+                needle_spans=needle_spans,
+                depth=first / max(len(context_ids), 1),
+            )
+        )
+    return samples
 
 
 def make_samples(
     tasks: list[str], codec: Codec, context_tokens: int, samples: int, seed: int = 0, **kwargs
 ) -> list[Sample]:
-    """``samples`` samples of each task, reproducible from ``seed``."""
+    """``samples`` contexts of each task, reproducible from ``seed``, with their questions'
+    samples (several per context for ``multiquestion``), each numbered by its context."""
     out = []
+    contexts = 0
     for task in tasks:
         rng = random.Random(f"{seed}-{task}")
-        out += [make_sample(task, codec, context_tokens, rng, **kwargs) for _ in range(samples)]
+        for _ in range(samples):
+            for sample in make_context(task, codec, context_tokens, rng, **kwargs):
+                sample.context = contexts
+                out.append(sample)
+            contexts += 1
     return out

@@ -3,7 +3,10 @@
 A policy is given as an object (``SnapKV(ratio=0.5, window=32)``) or as a string in the grammar
 ``term ("+" term)*`` with ``term = NAME [":" RATIO]``, RATIO being the fraction removed
 (default 0.5):
-``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``.
+``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``. A token scorer's name
+takes the prefix ``span-`` (:class:`Spans`: a kept token brings the tokens after it), then
+``ada-`` (head-wise budgets in each layer) or ``global-`` (one budget shared by every layer and
+head): ``"ada-span-kvzip:0.75"``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from kvpatch.policies.base import (
     check_ratio,
 )
 from kvpatch.policies.compose import Composed, compose
+from kvpatch.policies.expected_attention import ExpectedAttention
+from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm
+from kvpatch.policies.kvzip import KVzip
+from kvpatch.policies.layer_budgets import GlobalBudgets
 from kvpatch.policies.random import RandomScorer
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.spans import Spans, SpanSnapKV, SpanTOVA
@@ -28,10 +35,24 @@ from kvpatch.policies.streamingllm import StreamingLLM
 from kvpatch.policies.think import ThinK
 from kvpatch.policies.tova import TOVA
 
-#: token scorers by name; each also exists as ``ada-<name>``
+#: token scorers by name; each also exists as ``ada-<name>`` and ``global-<name>``
 TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
-    cls.name: cls for cls in (SnapKV, TOVA, Knorm, StreamingLLM, RandomScorer, SpanSnapKV, SpanTOVA)
+    cls.name: cls
+    for cls in (
+        SnapKV,
+        TOVA,
+        Knorm,
+        StreamingLLM,
+        RandomScorer,
+        SpanSnapKV,
+        SpanTOVA,
+        KVzip,
+        ExpectedAttention,
+        KeyDiff,
+    )
 }
+#: prefixes that share a token scorer's budget differently
+BUDGET_PREFIXES = {"ada-": AdaKV, "global-": GlobalBudgets}
 #: channel selectors by name
 CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
 
@@ -41,7 +62,19 @@ DEFAULT_RATIO = 0.5
 def policy_names() -> list[str]:
     """Every name the policy grammar accepts."""
     scorers = list(TOKEN_SCORERS)
-    return [*scorers, *(f"ada-{n}" for n in scorers), *CHANNEL_SELECTORS]
+    scorers += [f"span-{n}" for n in TOKEN_SCORERS if f"span-{n}" not in TOKEN_SCORERS]
+    scorers = [n for n in scorers if not n.startswith("span-span-")]
+    prefixed = [f"{prefix}{n}" for prefix in BUDGET_PREFIXES for n in scorers]
+    return [*scorers, *prefixed, *CHANNEL_SELECTORS]
+
+
+def _token_scorer(name: str, ratio: float) -> TokenScorer | None:
+    """``NAME`` or ``span-NAME`` (:class:`Spans` around it) as a scorer, or None."""
+    if name in TOKEN_SCORERS:
+        return TOKEN_SCORERS[name](ratio=ratio)
+    if name.startswith("span-") and name[5:] in TOKEN_SCORERS:
+        return Spans(TOKEN_SCORERS[name[5:]](ratio=ratio))
+    return None
 
 
 def _parse_term(term: str) -> Policy:
@@ -57,10 +90,13 @@ def _parse_term(term: str) -> Policy:
                 "expected a number in [0, 1), the fraction removed"
             ) from None
         check_ratio(ratio, name=f"ratio of {name!r}")
-    if name in TOKEN_SCORERS:
-        return TOKEN_SCORERS[name](ratio=ratio)
-    if name.startswith("ada-") and name[4:] in TOKEN_SCORERS:
-        return AdaKV(TOKEN_SCORERS[name[4:]](ratio=ratio))
+    scorer = _token_scorer(name, ratio)
+    if scorer is not None:
+        return scorer
+    for prefix, wrapper in BUDGET_PREFIXES.items():
+        scorer = _token_scorer(name[len(prefix) :], ratio) if name.startswith(prefix) else None
+        if scorer is not None:
+            return wrapper(scorer)
     if name in CHANNEL_SELECTORS:
         return CHANNEL_SELECTORS[name](ratio=ratio)
     valid = policy_names()
@@ -97,6 +133,10 @@ __all__ = [
     "AdaKV",
     "ChannelSelector",
     "Composed",
+    "ExpectedAttention",
+    "GlobalBudgets",
+    "KVzip",
+    "KeyDiff",
     "Knorm",
     "LayerInputs",
     "Plan",

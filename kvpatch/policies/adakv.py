@@ -12,6 +12,7 @@ from kvpatch.policies.base import (
     Plan,
     Policy,
     TokenScorer,
+    WrapsScorer,
     budget_per_head,
     scores_with_rules,
     select_top,
@@ -19,7 +20,7 @@ from kvpatch.policies.base import (
 
 
 @dataclass
-class AdaKV(Policy):
+class AdaKV(WrapsScorer, Policy):
     """Share a layer's budget among its KV heads by one top-k over all of them.
 
     The layer keeps as many tokens in total as ``scorer`` would with uniform budgets, but heads
@@ -38,18 +39,9 @@ class AdaKV(Policy):
     alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scorer, TokenScorer):
-            raise ValueError(f"AdaKV wraps a token scorer, got {type(self.scorer).__name__}")
+        self._check_scorer()
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"AdaKV needs alpha in [0, 1], got {self.alpha}")
-
-    @property
-    def ratio(self) -> float:
-        return self.scorer.ratio
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.scorer.protected_tokens
 
     @property
     def name(self) -> str:

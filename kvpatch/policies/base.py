@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ class LayerInputs:
     scaling : the softmax scale the model uses for this layer.
     layer_idx : index of the layer in the model.
     keep_tokens : if set, the number of tokens each head keeps, instead of the ratio's share.
+    rotary : the model's rotary embedding as ``positions [n] -> (cos, sin)``, each ``[n,
+        head_dim]`` (rotate-half convention), or None for a model without one.
+    query_positions : long Tensor ``[batch, n_queries]``, the position ids of the queries
+        (every real token counted from 0); None at prefill, where they follow from ``valid``.
+    replay_attention : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token got
+        from the queries of a context reconstruction (:mod:`kvpatch.replay`), when the policy
+        asked for one.
     """
 
     queries: torch.Tensor
@@ -54,6 +62,9 @@ class LayerInputs:
     scaling: float
     layer_idx: int = 0
     keep_tokens: int | None = None
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    query_positions: torch.Tensor | None = None
+    replay_attention: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +81,14 @@ class LayerInputs:
         if self.valid.dim() == 3:
             return self.valid
         return self.valid[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def positions_of_queries(self) -> torch.Tensor:
+        """Position ids of the queries, ``[batch, n_queries]`` (padding queries get 0)."""
+        if self.query_positions is not None:
+            return self.query_positions
+        valid = self.valid if self.valid.dim() == 2 else self.valid.any(1)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        return positions[:, -self.queries.shape[2] :]
 
     def grouped_queries(self) -> torch.Tensor:
         """Queries as ``[batch, kv_heads, group_size, n_queries, head_dim]``."""
@@ -145,9 +164,28 @@ class Policy(ABC):
         """Tokens every head always keeps (a window, sinks): the smallest possible budget."""
         return 0
 
+    @property
+    def needs_replay(self) -> bool:
+        """Whether the scores come from a context reconstruction (KVzip): the cache then holds
+        the whole prefill until :mod:`kvpatch.replay` has run it."""
+        return False
+
+    @property
+    def needs_all_layers(self) -> bool:
+        """Whether :meth:`plan_layers` must see every layer at once (budgets shared across
+        layers): compression then waits for the end of the prefill."""
+        return self.needs_replay
+
     @abstractmethod
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         """Decide what the layer keeps; ``must_keep`` ``[batch, tokens]`` marks forced tokens."""
+
+    def plan_layers(
+        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
+    ) -> list[Plan]:
+        """Plans for several layers at once; layer by layer unless budgets are shared."""
+        must_keep = must_keep or [None] * len(inputs)
+        return [self.plan(x, m) for x, m in zip(inputs, must_keep, strict=True)]
 
     def __add__(self, other: Policy) -> Policy:
         from kvpatch.policies.compose import compose
@@ -190,6 +228,31 @@ class TokenScorer(Policy):
         scores = scores_with_rules(self.score(inputs), inputs, must_keep)
         keep = select_top(scores, budget_per_head(scores, inputs, self.ratio))
         return Plan(keep=keep, channels=None, full_width_from=inputs.num_tokens)
+
+
+class WrapsScorer:
+    """Mixin for a policy around a token scorer (``self.scorer``): the ratio, the protected
+    tokens and the need for a replay are the scorer's."""
+
+    scorer: TokenScorer
+
+    def _check_scorer(self) -> None:
+        if not isinstance(self.scorer, TokenScorer):
+            raise ValueError(
+                f"{type(self).__name__} wraps a token scorer, got {type(self.scorer).__name__}"
+            )
+
+    @property
+    def ratio(self) -> float:
+        return self.scorer.ratio
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.scorer.protected_tokens
+
+    @property
+    def needs_replay(self) -> bool:
+        return self.scorer.needs_replay
 
 
 class ChannelSelector(Policy):

@@ -41,20 +41,43 @@ class Composed(Policy):
     def name(self) -> str:
         return f"{self.channels.name}+{self.tokens.name}"
 
+    @property
+    def needs_replay(self) -> bool:
+        return self.tokens.needs_replay
+
+    @property
+    def needs_all_layers(self) -> bool:
+        return self.tokens.needs_all_layers
+
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
-        channel_plan = self.channels.plan(inputs)
-        positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
-        window = (positions >= channel_plan.full_width_from)[None, :] & inputs.valid
-        if window.dim() == 3:  # per-head validity: the window is kept where any head has it
-            window = window.any(1)
-        if must_keep is not None:
-            window = window | must_keep
-        token_plan = self.tokens.plan(inputs, must_keep=window)
-        return Plan(
-            keep=token_plan.keep,
-            channels=channel_plan.channels,
-            full_width_from=channel_plan.full_width_from,
-        )
+        return self.plan_layers([inputs], [must_keep])[0]
+
+    def plan_layers(
+        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
+    ) -> list[Plan]:
+        must_keep = must_keep or [None] * len(inputs)
+        channel_plans = [self.channels.plan(x) for x in inputs]
+        windows = [
+            _full_width_window(x, p, m)
+            for x, p, m in zip(inputs, channel_plans, must_keep, strict=True)
+        ]
+        token_plans = self.tokens.plan_layers(inputs, windows)
+        return [
+            Plan(keep=t.keep, channels=c.channels, full_width_from=c.full_width_from)
+            for t, c in zip(token_plans, channel_plans, strict=True)
+        ]
+
+
+def _full_width_window(
+    inputs: LayerInputs, channel_plan: Plan, must_keep: torch.Tensor | None
+) -> torch.Tensor:
+    """The tokens the token policy must keep: the channel selector's full-width window (real
+    tokens only) and any forced ones."""
+    positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
+    window = (positions >= channel_plan.full_width_from)[None, :] & inputs.valid
+    if window.dim() == 3:  # per-head validity: the window is kept where any head has it
+        window = window.any(1)
+    return window if must_keep is None else window | must_keep
 
 
 def compose(first: Policy, second: Policy) -> Composed:

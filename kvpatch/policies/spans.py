@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpatch.policies.base import LayerInputs, TokenScorer
+from kvpatch.policies.base import LayerInputs, TokenScorer, WrapsScorer
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.tova import TOVA
 
@@ -44,7 +44,7 @@ def spread_scores(
 
 
 @dataclass
-class Spans(TokenScorer):
+class Spans(WrapsScorer, TokenScorer):
     """Wrap any token scorer: a token's score is the best score of the ``after`` tokens before it
     (and ``before`` after it). ``ratio`` is the wrapped scorer's.
 
@@ -62,22 +62,13 @@ class Spans(TokenScorer):
     before: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scorer, TokenScorer):
-            raise ValueError(f"Spans wraps a token scorer, got {type(self.scorer).__name__}")
+        self._check_scorer()
         if self.after < 0 or self.before < 0:
             raise ValueError(f"span widths must be >= 0, got {self.after=}, {self.before=}")
 
     @property
-    def ratio(self) -> float:
-        return self.scorer.ratio
-
-    @property
     def name(self) -> str:
         return f"span-{self.scorer.name}"
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.scorer.protected_tokens
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         return spread_scores(self.scorer.score(inputs), inputs.head_valid, self.after, self.before)

@@ -1,0 +1,37 @@
+"""KeyDiff: keep the keys least like the others (https://arxiv.org/abs/2504.15364)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+
+
+@dataclass
+class KeyDiff(TokenScorer):
+    """Score each token by ``-cos(k, anchor)``, the anchor being the mean of the head's
+    L2-normalised keys: distinctive keys are kept, keys that look like the average are evicted.
+
+    Needs no query at all, so it is question-agnostic by construction and costs one pass over
+    the keys. Only real tokens enter the anchor; no window and no sink is protected.
+
+    Parameters
+    ----------
+    ratio : float, default 0.5
+        Fraction of the tokens removed.
+    """
+
+    ratio: float = 0.5
+    name = "keydiff"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        keys = F.normalize(inputs.keys.float(), dim=-1)  # [b, h, t, d]
+        valid = inputs.head_valid[..., None].float()
+        anchor = (keys * valid).sum(2, keepdim=True) / valid.sum(2, keepdim=True).clamp(min=1)
+        return -F.cosine_similarity(keys, anchor, dim=-1)

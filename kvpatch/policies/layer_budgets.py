@@ -1,0 +1,72 @@
+"""Budgets shared across layers: one ranking over every layer and KV head of a batch row, as
+KVzip does (https://arxiv.org/abs/2505.23416)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch.policies.adakv import AdaKV
+from kvpatch.policies.base import (
+    LayerInputs,
+    Plan,
+    Policy,
+    TokenScorer,
+    WrapsScorer,
+    budget_per_head,
+    scores_with_rules,
+    select_top,
+)
+
+
+@dataclass
+class GlobalBudgets(WrapsScorer, Policy):
+    """Rank the tokens of every layer and KV head together and keep the best.
+
+    The model keeps as many tokens in total as ``scorer`` would with uniform budgets (so the bytes
+    are the same), but layers and heads whose tokens score higher keep more. Scores must be
+    comparable across layers, as attention weights are (``kvzip``, ``snapkv``, ``tova``,
+    ``expected-attention``). Compression waits for the end of the prefill, when every layer's
+    scores are known; alone (one layer, e.g. while decoding) it shares the budget among that
+    layer's heads like :class:`~kvpatch.policies.AdaKV`.
+
+    Parameters
+    ----------
+    scorer : TokenScorer
+        Scores tokens; its ``ratio`` is the model's ratio.
+    """
+
+    scorer: TokenScorer
+
+    def __post_init__(self) -> None:
+        self._check_scorer()
+
+    @property
+    def needs_all_layers(self) -> bool:
+        return True
+
+    @property
+    def name(self) -> str:
+        return f"global-{self.scorer.name}"
+
+    def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
+        return AdaKV(self.scorer, alpha=0.0).plan(inputs, must_keep)
+
+    def plan_layers(
+        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
+    ) -> list[Plan]:
+        must_keep = must_keep or [None] * len(inputs)
+        scores = [
+            scores_with_rules(self.scorer.score(x), x, m)
+            for x, m in zip(inputs, must_keep, strict=True)
+        ]
+        pairs = zip(scores, inputs, strict=True)
+        budget = sum(budget_per_head(s, x, self.ratio).sum(-1) for s, x in pairs)  # [batch]
+        shapes = [s.shape for s in scores]
+        flat = torch.cat([s.flatten(1) for s in scores], dim=1)  # [batch, layers * heads * tokens]
+        keep = select_top(flat, budget).split([s[1] * s[2] for s in shapes], dim=1)
+        return [
+            Plan(keep=k.view(shape), channels=None, full_width_from=shape[2])
+            for k, shape in zip(keep, shapes, strict=True)
+        ]

@@ -1,0 +1,393 @@
+"""Question-agnostic policies: KVzip's context reconstruction, expected attention, KeyDiff and
+budgets shared across layers, each against an independent computation and the masking oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_model, prompt
+from oracle import evictions_of, greedy_logits, oracle_logits
+from test_generation import left_padded
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import kvpatch
+from kvpatch import CompressedDynamicCache, compat, parse_policy
+from kvpatch.patching import prefill_into
+from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, LayerInputs
+from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
+from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
+
+STEPS = 8
+
+
+class ByteTokenizer:
+    """One token per byte (ids below the tiny models' vocabulary), no chat template."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": list(text.encode())}
+
+
+class ChatTokenizer(ByteTokenizer):
+    """A byte tokenizer with a two-role chat template."""
+
+    chat_template = "<u>{content}</u><a>"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"<u>{m['content']}</u>" for m in messages)
+        return text + ("<a>" if add_generation_prompt else "")
+
+
+def encode(text: str) -> list[int]:
+    return ByteTokenizer()(text)["input_ids"]
+
+
+# -- KVzip against an independent eager computation --------------------------------------------
+
+
+def reference_reconstruction(model, ids: torch.Tensor, chunk: int, overlap: int = 8):
+    """Per layer ``[kv_heads, n]``: the largest attention weight (eager, no cache, the whole
+    sequence context + prompt + chunk in one forward) any reconstruction query of a KV head's
+    group gives each context token, over every chunk."""
+    n = ids.shape[1]
+    config = model.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    best = None
+    implementation = compat.attention_implementation(model)
+    compat.set_attention_implementation(model, "eager")
+    try:
+        for start in range(0, n, chunk):
+            if start == 0:
+                prompt_ids = encode(REPEAT_PROMPT + "\n")
+            else:
+                tail = ids[0, start - overlap : start].tolist()
+                prompt_ids = encode(CONTINUE_PROMPT) + tail + encode("\n")
+            new = torch.tensor([prompt_ids + ids[0, start : start + chunk].tolist()])
+            with torch.no_grad():
+                out = model(torch.cat([ids, new], 1), output_attentions=True, use_cache=False)
+            layers = []
+            for weights in out.attentions:  # [1, q_heads, total, total]
+                rows = weights[0, :, n:, :n]  # reconstruction queries -> context keys
+                per_kv = rows.reshape(config.num_key_value_heads, group * rows.shape[1], n)
+                layers.append(per_kv.amax(1))
+            best = (
+                layers
+                if best is None
+                else [torch.maximum(a, b) for a, b in zip(best, layers, strict=True)]
+            )
+    finally:
+        compat.set_attention_implementation(model, implementation)
+    return best
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn):
+    model = make_model("llama", attn)
+    ids = prompt(300)
+    scorer = KVzip(ratio=0.6, chunk_size=128)
+    expected = reference_reconstruction(model, ids, chunk=128)
+    with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids, use_cache=True, **{compat.cache_argument(model): cache})
+        layers = cache.deferred_layers
+        assert len(layers) == model.config.num_hidden_layers
+        mask = torch.ones_like(ids)
+        reconstruct(model, cache, ids, mask, RepeatPrompts(ByteTokenizer(), ids.device), scorer)
+        for layer, reference in zip(layers, expected, strict=True):
+            torch.testing.assert_close(layer.replay_attention[0], reference, atol=1e-5, rtol=1e-4)
+        cache.compress_deferred()
+    budget = 300 - math.floor(300 * 0.6)
+    for idx, reference in enumerate(expected):
+        reference = reference.clone()
+        reference[:, :4] = math.inf  # sinks
+        for head in range(reference.shape[0]):
+            kept = cache.layers[idx].kept_positions(0, head)
+            assert kept.shape[0] == budget
+            expected_kept = reference[head].topk(budget).indices.sort().values
+            assert torch.equal(kept, expected_kept)
+
+
+def test_repeat_prompt_follows_the_chat_template():
+    plain = RepeatPrompts(ByteTokenizer(), "cpu")
+    assert plain.first().tolist() == encode(REPEAT_PROMPT + "\n")
+    assert _turn_end(ChatTokenizer()) == "</u><a>"
+    chat = RepeatPrompts(ChatTokenizer(), "cpu")
+    assert chat.first().tolist() == encode(REPEAT_PROMPT + "</u><a>")
+    before, after = chat.later()
+    assert before.tolist() == encode(CONTINUE_PROMPT) and after.tolist() == encode("</u><a>")
+
+
+# -- every new policy under the masking oracle -------------------------------------------------
+
+AGNOSTIC_POLICIES = [
+    "kvzip:0.5",
+    "ada-kvzip:0.6",
+    "global-kvzip:0.5",
+    "ada-span-kvzip:0.5",
+    "think:0.5+kvzip:0.5",
+    "think:0.25+global-kvzip:0.7",
+    "expected-attention:0.5",
+    "ada-expected-attention:0.6",
+    "think:0.5+expected-attention:0.5",
+    "keydiff:0.5",
+    "ada-keydiff:0.6",
+    "think:0.5+ada-keydiff:0.5",
+    "global-snapkv:0.5",
+]
+
+
+def prefill_and_decode(model, ids, cache, steps=STEPS):
+    """``kvpatch.prefill``'s path (prefill, reconstruction, compression), then greedy steps."""
+    logits = [prefill_into(model, cache, ids, torch.ones_like(ids))[:, -1].float()]
+    fed = []
+    name = compat.cache_argument(model)
+    with torch.no_grad():
+        for _ in range(steps):
+            fed.append(logits[-1].argmax(-1, keepdim=True))
+            out = model(fed[-1], use_cache=True, **{name: cache})
+            logits.append(out.logits[:, -1].float())
+    return torch.stack(logits), torch.cat(fed, 1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("policy", AGNOSTIC_POLICIES)
+def test_agnostic_policy_matches_oracle(policy, attn):
+    model = make_model("llama", attn)
+    ids = prompt(300)
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        logits, tokens = prefill_and_decode(model, ids, cache)
+    evictions = evictions_of(cache)
+    assert len(evictions) == model.config.num_hidden_layers
+    assert all((~e.keep).any() for e in evictions.values())
+    lengths = [n.flatten().tolist() for n in cache.physical_lengths()]
+    if "ada-" in policy:
+        assert any(len(set(n)) > 1 for n in lengths)
+    if "global-" in policy:  # layers share one budget: their totals differ
+        assert len({sum(n) for n in lengths}) > 1
+    expected = oracle_logits(model, ids, evictions, tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["kvzip:0.5", "global-kvzip:0.5", "expected-attention:0.5"])
+def test_agnostic_policy_matches_oracle_on_gemma2(policy):
+    """Sliding layers stay stock (and untouched by the reconstruction); soft-capped logits."""
+    model = make_model("gemma2", "eager")
+    ids = prompt(200)
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        logits, tokens = prefill_and_decode(model, ids, cache)
+    expected = oracle_logits(model, ids, evictions_of(cache), tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["kvzip:0.5", "think:0.5+global-kvzip:0.75", "ada-span-kvzip"])
+def test_generate_reconstructs_the_prompt(policy):
+    """generate() on an enabled model: all but the last prompt token are prefilled (and
+    reconstructed for KVzip), compressed, then decoded; the oracle gives the same tokens."""
+    model = make_model("llama")
+    ids = prompt(250)
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        out = model.generate(
+            ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+            **{compat.cache_argument(model): cache},
+        )  # fmt: skip
+        without_cache = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, without_cache)
+    evictions = evictions_of(cache)
+    assert all((~e.keep).any() for e in evictions.values())
+    # the oracle prefills all but the last prompt token, then is fed it and the answer
+    fed = out[:, ids.shape[1] - 1 : -1]
+    logits = oracle_logits(model, ids[:, :-1], evictions, fed)
+    assert torch.equal(logits[1:].argmax(-1).T, out[:, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("policy", ["global-snapkv:0.6", "think:0.5+global-expected-attention"])
+def test_shared_budgets_compress_at_the_first_decoding_step(policy):
+    """A plain forward leaves the layers waiting for the whole prefill; the next step compresses
+    them all together, as the oracle says."""
+    model = make_model("llama")
+    ids = prompt(300)
+    with kvpatch.enabled(model, policy):
+        cache = CompressedDynamicCache(config=model.config)
+        logits, tokens = greedy_logits(model, ids, cache, STEPS)
+    assert not cache.deferred_layers
+    evictions = evictions_of(cache)
+    assert len({int(e.keep.sum()) for e in evictions.values()}) > 1
+    expected = oracle_logits(model, ids, evictions, tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["kvzip:0.5", "ada-kvzip:0.5", "expected-attention", "keydiff"])
+def test_padded_rows_are_scored_on_their_own_tokens(policy):
+    model = make_model("llama")
+    prompts = [prompt(n, seed=i)[0] for i, n in enumerate([260, 190, 120])]
+    ids, mask = left_padded(prompts)
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        batch = kvpatch.prefill(model, ids, mask)
+        alone = [kvpatch.prefill(model, p[None]) for p in prompts]
+        question = prompt(6, batch=3, seed=9)
+        answers = batch.generate(question, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        for row, (p, context) in enumerate(zip(prompts, alone, strict=True)):
+            pad = ids.shape[1] - p.shape[0]
+            for layer, single in zip(batch.cache.layers, context.cache.layers, strict=True):
+                for head in range(model.config.num_key_value_heads):
+                    kept = layer.kept_positions(row, head)
+                    kept = kept[kept < ids.shape[1]] - pad
+                    assert torch.equal(kept, single.kept_positions(0, head)[: kept.shape[0]])
+            single_answer = context.generate(
+                question[row : row + 1], max_new_tokens=5, do_sample=False, pad_token_id=0
+            )
+            assert torch.equal(answers[row], single_answer[0])
+
+
+def test_global_budgets_keep_the_uniform_total():
+    model = make_model("llama")
+    ids = prompt(400)
+    sizes = {}
+    with kvpatch.enabled(model, tokenizer=ByteTokenizer()):
+        for policy in ("kvzip:0.75", "global-kvzip:0.75", "global-snapkv:0.75"):
+            cache = kvpatch.prefill(model, ids, policy=policy).cache
+            lengths = cache.physical_lengths()
+            sizes[policy] = cache.nbytes()
+            assert sum(int(n.sum()) for n in lengths) == 2 * 2 * (400 - 300)
+    full = sizes["kvzip:0.75"]
+    assert sizes["global-kvzip:0.75"] == pytest.approx(full, rel=0.02)
+
+
+# -- expected attention and KeyDiff against plain-torch references -----------------------------
+
+
+def rotation(position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The RoPE matrix of a position (rotate-half layout: channel i pairs with i + d/2)."""
+    half = inv_freq.shape[0]
+    r = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    for i, f in enumerate(inv_freq.double().tolist()):
+        c, s = math.cos(position * f), math.sin(position * f)
+        r[i, i], r[i, i + half], r[i + half, i], r[i + half, i + half] = c, -s, s, c
+    return r
+
+
+def test_expected_attention_matches_reference():
+    from transformers import LlamaConfig
+
+    t, hq, hkv, d, future = 40, 4, 2, 16, 32
+    config = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, head_dim=d)
+    rope = LlamaRotaryEmbedding(config=config)
+    inv_freq = rope.inv_freq
+
+    def rotary(positions):
+        cos, sin = rope(torch.zeros(1), positions[None])
+        return cos[0], sin[0]
+
+    gen = torch.Generator().manual_seed(0)
+    pre = torch.randn(1, hq, t, d, generator=gen)
+    queries = torch.stack(
+        [
+            torch.stack([rotation(p, inv_freq).float() @ pre[0, h, p] for p in range(t)])
+            for h in range(hq)
+        ]
+    )[None]
+    keys, values = (
+        torch.randn(1, hkv, t, d, generator=gen),
+        torch.randn(1, hkv, t, d, generator=gen),
+    )
+    inputs = LayerInputs(
+        queries, keys, values, torch.ones(1, t, dtype=torch.bool), scaling=d**-0.5, rotary=rotary
+    )
+    scores = ExpectedAttention(future_positions=future, n_sink=4).score(inputs)
+
+    mean_rotation = sum(rotation(p, inv_freq) for p in range(t, t + future)) / future
+    reference = torch.zeros(hkv, t, dtype=torch.float64)
+    for h in range(hq):
+        sample = pre[0, h, 4:].double()  # the sinks' queries are left out
+        mu = mean_rotation @ sample.mean(0)
+        centred = sample - sample.mean(0)
+        sigma = mean_rotation @ (centred.T @ centred / sample.shape[0]) @ mean_rotation.T
+        k = keys[0, h // 2].double()
+        logits = torch.stack([kj @ mu * d**-0.5 + 0.5 * kj @ sigma @ kj / d for kj in k])
+        reference[h // 2] += torch.softmax(logits, 0) / 2
+    reference *= values[0].double().norm(dim=-1)
+    reference[:, :4] = math.inf
+    torch.testing.assert_close(scores[0].double(), reference, atol=1e-6, rtol=1e-4)
+
+
+def test_keydiff_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 30, 8, generator=gen)
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, :6] = False  # padding enters no anchor
+    inputs = LayerInputs(torch.randn(2, 4, 30, 8), keys, keys, valid, scaling=1.0)
+    scores = KeyDiff().score(inputs)
+    for b in range(2):
+        real = valid[b].nonzero().flatten()
+        for h in range(2):
+            k = keys[b, h, real].double()
+            anchor = (k / k.norm(dim=-1, keepdim=True)).mean(0)
+            expected = -(k @ anchor) / (k.norm(dim=-1) * anchor.norm())
+            torch.testing.assert_close(scores[b, h, real].double(), expected, atol=1e-6, rtol=0)
+
+
+# -- what cannot work says so ------------------------------------------------------------------
+
+
+def test_kvzip_cannot_compress_while_decoding():
+    with pytest.raises(ValueError, match="cannot compress while decoding"):
+        CompressedDynamicCache(policy="kvzip", decode_budget=64)
+    with pytest.raises(ValueError, match="cannot compress while decoding"):
+        CompressedDynamicCache(policy="think+ada-kvzip", decode_budget=64)
+    x = LayerInputs(*(torch.randn(1, 2, 10, 4) for _ in range(3)), torch.ones(1, 10).bool(), 1.0)
+    with pytest.raises(ValueError, match="reconstruction"):
+        KVzip().score(x)
+
+
+def test_kvzip_needs_its_reconstruction():
+    model = make_model("llama")
+    ids = prompt(100)
+    with kvpatch.enabled(model, "kvzip", tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        with pytest.raises(ValueError, match=r"kvpatch\.prefill"):
+            greedy_logits(model, ids, cache, steps=1)
+
+
+def test_kvzip_without_a_tokenizer_says_what_to_pass():
+    model = make_model("llama")
+    with kvpatch.enabled(model, "kvzip"), pytest.raises(ValueError, match="tokenizer="):
+        kvpatch.prefill(model, prompt(50))
+
+
+@pytest.mark.parametrize("spec", ["kvzip:1.0", "keydiff:-0.1", "expected-attention:nan"])
+def test_new_policies_reject_bad_ratios(spec):
+    with pytest.raises(ValueError, match="ratio"):
+        parse_policy(spec)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (KVzip, {"chunk_size": 0}),
+        (KVzip, {"n_sink": -1}),
+        (ExpectedAttention, {"future_positions": 0}),
+    ],
+)
+def test_new_policies_reject_bad_parameters(cls, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        cls(**kwargs)
+
+
+def test_keydiff_is_question_agnostic():
+    """KeyDiff reads no query: any queries give the same plan."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 2, 50, 8, generator=gen)
+    plans = [
+        KeyDiff(ratio=0.5).plan(
+            LayerInputs(torch.randn(1, 4, n, 8), k, k, torch.ones(1, 50).bool(), 1.0)
+        )
+        for n in (1, 50)
+    ]
+    assert torch.equal(plans[0].keep, plans[1].keep)
