@@ -127,24 +127,24 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
 
 
 def _attend_replay(module, query, key, value, view: ReplayView, kwargs):
-    """Exact attention of a reconstruction chunk over prefill + chunk, in fp32; records, per
-    prefill token and KV head, the largest weight any real query of the head's group gives it."""
+    """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
+    fp32; records, per scored token and KV head, the largest weight any real query of the head's
+    group gives it. The weights are needed, so no stock kernel can do this."""
     batch, kv_heads, total, _ = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
-    group, prefill = q_heads // kv_heads, total - q_len
-    grouped = query.float().reshape(batch, kv_heads, group * q_len, -1)
-    scores = grouped @ key.float().transpose(-1, -2) * _scaling(module, query, kwargs)
+    group, held = q_heads // kv_heads, total - q_len
+    scaled = query.float() * _scaling(module, query, kwargs)
+    scaled = scaled.reshape(batch, kv_heads, group * q_len, -1)
+    shape = (batch, kv_heads, group * q_len, total)
+    scores = torch.matmul(
+        scaled, key.float().transpose(-1, -2), out=view.chunk.buffer("s", shape, key)
+    )
     softcap = kwargs.get("softcap")
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    causal = torch.ones(q_len, total, dtype=torch.bool, device=key.device)
-    causal[:, prefill:] = torch.ones(q_len, q_len, dtype=torch.bool, device=key.device).tril()
-    visible = causal[None] & view.chunk.key_valid[:, None, :]  # [b, q, total]
-    visible = visible.repeat(1, group, 1)[:, None]  # rows ordered (group, q) like ``grouped``
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
-    real_queries = view.chunk.query_valid.repeat(1, group)[:, None, :, None]
-    received = (weights[..., :prefill] * real_queries).amax(dim=2)  # [b, kv_heads, prefill]
-    view.layer.record_replay_attention(received)
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores += view.chunk.additive_mask(view.held_valid, group)
+    weights = torch.softmax(scores, dim=-1, out=view.chunk.buffer("w", shape, key))
+    view.layer.record_replay_attention(weights[..., view.scored_from : held].amax(dim=2))
     output = weights @ value.float()  # [b, kv_heads, group * q, dv]
     output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
     return output.to(query.dtype), None

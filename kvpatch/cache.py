@@ -65,23 +65,62 @@ class DecodeBudget:
 
 @dataclass
 class ReplayChunk:
-    """A context reconstruction in progress (:mod:`kvpatch.replay`): the chunk's tokens are
-    attended over the held prefill and forgotten afterwards.
+    """A reconstruction chunk in progress (:mod:`kvpatch.replay`): its tokens are attended over
+    what a layer holds and forgotten afterwards.
 
-    ``key_valid`` ``[batch, prefill + chunk]`` marks real keys, ``query_valid`` ``[batch, chunk]``
-    the real queries whose attention is recorded.
+    ``query_valid`` ``[batch, chunk]`` marks the chunk's real tokens; ``prefill_valid``
+    ``[batch, prefill]`` the real tokens of a prefill that waits for its scores.
     """
 
-    key_valid: torch.Tensor
     query_valid: torch.Tensor
+    prefill_valid: torch.Tensor
+    _masks: dict = dataclasses.field(default_factory=dict, repr=False)
+    _buffers: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A float32 workspace reused by every layer of the chunk: allocating a fresh
+        ``chunk x context`` tensor per layer costs more than the arithmetic on it (on CPU)."""
+        key = (name, shape, like.device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, dtype=torch.float32, device=like.device)
+        return self._buffers[key]
+
+    def additive_mask(self, held_valid: torch.Tensor, group: int) -> torch.Tensor:
+        """``[batch, 1 or kv_heads, group * chunk, held + chunk]``, 0 where a query (rows ordered
+        (group, chunk)) sees a key and -inf elsewhere: real held keys and the chunk causally. A
+        padding query sees only itself, so it gives no held key any weight."""
+        key = (id(held_valid), group)
+        if key not in self._masks:  # the tensor is kept with it: its id cannot be reused
+            self._masks[key] = (held_valid, _replay_mask(held_valid, self.query_valid, group))
+        return self._masks[key][1]
+
+
+def _replay_mask(held_valid: torch.Tensor, query_valid: torch.Tensor, group: int) -> torch.Tensor:
+    q_len = query_valid.shape[1]
+    device = query_valid.device
+    real = query_valid[:, :, None]  # [b, q, 1]
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    own = torch.eye(q_len, dtype=torch.bool, device=device)
+    chunk = torch.where(real, causal & query_valid[:, None, :], own)  # [b, q, q]
+    held = held_valid[:, :, None, :] & real[:, None]  # [b, h, q, held]
+    visible = torch.cat([held, chunk[:, None].expand(-1, held.shape[1], -1, -1)], dim=-1)
+    visible = visible.repeat(1, 1, group, 1)
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 @dataclass
 class ReplayView:
-    """Marks the keys of a layer during a reconstruction chunk: the prefill, then the chunk."""
+    """Marks the keys of a layer during a reconstruction chunk: what it holds, then the chunk.
+
+    The held columns from ``scored_from`` on are the tokens being scored; ``held_valid``
+    ``[batch, 1 or kv_heads, held]`` marks the real ones.
+    """
 
     layer: CompressedLayer
     chunk: ReplayChunk
+    held_valid: torch.Tensor
+    scored_from: int
 
 
 @dataclass
@@ -142,6 +181,11 @@ class CompressedLayer(DynamicLayer):
         self.deferred: LayerInputs | None = None
         self.replay: ReplayChunk | None = None
         self.replay_attention: torch.Tensor | None = None
+        # appended tokens compressed after their forward: their queries, recorded meanwhile
+        self.capture_queries = False
+        self.segment_queries: torch.Tensor | None = None
+        self.rotary = None
+        self.position_offset: torch.Tensor | None = None  # left padding of each row
         # what decoding-time compression needs
         self.policy: Policy | None = None
         self.decode_budget: DecodeBudget | None = None
@@ -167,7 +211,7 @@ class CompressedLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.deferred is not None:
+        if self.replay is not None or self.deferred is not None:
             return self._replay_view(key_states, value_states)
         first_forward = self.seen == 0
         self.seen += key_states.shape[-2]
@@ -192,16 +236,24 @@ class CompressedLayer(DynamicLayer):
     get_max_cache_shape = get_max_length
 
     def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The prefill and a reconstruction chunk, which is not stored."""
+        """What the layer holds and a reconstruction chunk, which is not stored: a waiting
+        prefill (every token scored), or a compressed layer (its tail scored)."""
         if self.replay is None:
             raise ValueError(
                 "this cache waits for a context reconstruction (the policy scores tokens with "
                 "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
                 "model.generate on an enabled model, not with a plain forward"
             )
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        return mark(keys, ReplayView(self, self.replay)), values
+        if self.deferred is not None:
+            keys, values, scored_from = self.keys, self.values, 0
+            held_valid = self.replay.prefill_valid[:, None, :]
+        else:
+            keys, values, held_valid, _ = self._held()
+            scored_from = self.packed.max_length
+        keys = torch.cat([keys, key_states], dim=-2)
+        values = torch.cat([values, value_states], dim=-2)
+        view = ReplayView(self, self.replay, held_valid, scored_from)
+        return mark(keys, view), values
 
     def record_replay_attention(self, attention: torch.Tensor) -> None:
         """Keep the largest attention each prefill token got, ``[batch, kv_heads, prefill]``."""
@@ -310,7 +362,8 @@ class CompressedLayer(DynamicLayer):
             tail_valid=inputs.head_valid[:, 0, start:],
         )
         self.policy, self.decode_budget = policy, decode_budget
-        self.scaling, self.layer_idx = inputs.scaling, inputs.layer_idx
+        self.scaling, self.layer_idx, self.rotary = inputs.scaling, inputs.layer_idx, inputs.rotary
+        self.position_offset = (~inputs.head_valid[:, 0]).sum(-1)
         if decode_budget is not None:
             self.remember_queries(inputs.queries)
 
@@ -386,7 +439,13 @@ class CompressedLayer(DynamicLayer):
         return self._dense_view()
 
     def remember_queries(self, queries: torch.Tensor) -> None:
-        """Keep the last queries, which decoding-time compression scores with."""
+        """Keep the last queries, which decoding-time compression scores with, and all of an
+        appended segment's while ``capture_queries`` is set."""
+        if self.capture_queries:
+            previous = self.segment_queries
+            self.segment_queries = (
+                queries if previous is None else torch.cat([previous, queries], -2)
+            )
         if self.decode_budget is None:
             return
         if self.recent_queries is not None:
@@ -402,36 +461,92 @@ class CompressedLayer(DynamicLayer):
 
     def _compress_while_decoding(self) -> None:
         """Compress everything held back to the decode budget, channels and window unchanged."""
-        keys, values = self._dense_kv()
-        b, h, slots, _ = keys.shape
-        packed_slots = torch.arange(self.packed.max_length, device=keys.device)
-        valid = torch.cat(
-            [
-                packed_slots < self.packed.lengths[..., None],
-                self.tail_valid[:, None, :].expand(b, h, -1),
-            ],
-            dim=-1,
-        )
-        tail_positions = torch.arange(self.tail_start, self.seen, device=keys.device)
-        positions = torch.cat([self.packed.positions(), tail_positions.expand(b, h, -1)], -1)
-        full_width = 0
-        if self.packed.channels is not None:
-            full_width = min(self.policy.channels.window, self.tail_length)
-        cut = slots - full_width
-        must_keep = None
-        if full_width:
-            must_keep = torch.zeros(b, slots, dtype=torch.bool, device=keys.device)
-            must_keep[:, cut:] = True
+        keys, values, valid, positions = self._held()
+        queries = self.recent_queries
         inputs = LayerInputs(
-            queries=self.recent_queries,
+            queries=queries,
             keys=keys,
             values=values,
             valid=valid,
             scaling=self.scaling,
             layer_idx=self.layer_idx,
             keep_tokens=self.decode_budget.tokens,
+            rotary=self.rotary,
+            query_positions=self.positions_of_last(queries.shape[2]),
         )
-        keep = token_policy_of(self.policy).plan(inputs, must_keep=must_keep).keep & valid
+        must_keep = self.full_width_window(keys.shape[2])
+        keep = token_policy_of(self.policy).plan(inputs, must_keep=must_keep).keep
+        self._repack(keys, values, positions, keep & valid)
+
+    # -- compressing appended tokens (a new turn, a chunk of a long prefill) -------------------
+
+    def segment_inputs(self) -> LayerInputs:
+        """The tail (tokens held at full width since the last compression) as a policy sees it,
+        with the queries recorded while it was appended (``capture_queries``)."""
+        queries = self.segment_queries
+        return LayerInputs(
+            queries=queries,
+            keys=self.keys,
+            values=self.values,
+            valid=self.tail_valid,
+            scaling=self.scaling,
+            layer_idx=self.layer_idx,
+            rotary=self.rotary,
+            query_positions=self.positions_of_last(queries.shape[2]),
+            replay_attention=self.replay_attention,
+        )
+
+    def compress_segment(self, keep: torch.Tensor) -> None:
+        """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail (and everything
+        compressed before); the last tokens of a channel policy's window stay full width."""
+        keys, values, valid, positions = self._held()
+        packed = self.packed.max_length
+        keep = torch.cat([valid[..., :packed], keep & valid[..., packed:]], dim=-1)
+        self._repack(keys, values, positions, keep)
+        self.segment_queries = self.replay_attention = None
+
+    def full_width_window(self, tokens: int, batch: int | None = None) -> torch.Tensor | None:
+        """``[batch, tokens]``: the last tokens that must stay full width (the channel policy's
+        window, capped by the tail) and so are always kept; None without pruned channels."""
+        width = self._full_width()
+        if not width:
+            return None
+        batch = self.tail_valid.shape[0] if batch is None else batch
+        window = torch.zeros(batch, tokens, dtype=torch.bool, device=self.tail_valid.device)
+        window[:, tokens - width :] = True
+        return window
+
+    def _full_width(self) -> int:
+        if self.packed.channels is None:
+            return 0
+        return min(self.policy.channels.window, self.tail_length)
+
+    def positions_of_last(self, count: int) -> torch.Tensor:
+        """Position ids ``[batch, count]`` of the last ``count`` tokens (left padding excluded)."""
+        logical = torch.arange(self.seen - count, self.seen, device=self.tail_valid.device)
+        return (logical[None, :] - self.position_offset[:, None]).clamp(min=0)
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything held, densely: keys and values ``[batch, kv_heads, slots, dim]`` (packed
+        heads padded, pruned channels as zeros, then the tail), which slots are real tokens and
+        their logical positions, ``[batch, kv_heads, slots]``."""
+        keys, values = self._dense_kv()
+        b, h, _, _ = keys.shape
+        packed_slots = torch.arange(self.packed.max_length, device=keys.device)
+        tail_valid = self.tail_valid[:, None, :].expand(b, h, -1)
+        valid = torch.cat([packed_slots < self.packed.lengths[..., None], tail_valid], dim=-1)
+        tail_positions = torch.arange(self.tail_start, self.seen, device=keys.device)
+        positions = torch.cat([self.packed.positions(), tail_positions.expand(b, h, -1)], -1)
+        return keys, values, valid, positions
+
+    def _repack(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+    ) -> None:
+        """Store the ``keep`` slots of :meth:`_held`'s layout as the packed part, except the
+        channel policy's full-width window, which becomes the tail."""
+        b, h, slots, _ = keys.shape
+        full_width = self._full_width()
+        cut = slots - full_width
         keep = keep[..., :cut]
         new_tail_start = self.seen - full_width
         record = torch.zeros(b, h, new_tail_start, dtype=torch.int8, device=keys.device)

@@ -8,6 +8,9 @@
 The context is compressed *before* any question is seen (question-agnostic compression). Each
 question runs on its own copy of the compressed cache; the question's tokens are appended as one
 causal chunk after the compressed context.
+
+A conversation grows turn by turn: :meth:`CompressedContext.extend` appends a turn and compresses
+it too, so a long chat holds ``1 - ratio`` of its history.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch import compat
-from kvpatch.cache import CompressedDynamicCache
-from kvpatch.patching import is_enabled, prefill_into
+from kvpatch import compat, replay
+from kvpatch.cache import CompressedDynamicCache, token_policy_of
+from kvpatch.patching import is_enabled, prefill_into, tokenizer_of
 from kvpatch.policies import Policy
 
 
@@ -44,20 +47,38 @@ class CompressedContext:
         """An independent copy of the compressed cache, to continue from."""
         return copy.deepcopy(self.cache)
 
+    def extend(self, ids: torch.Tensor, tokenizer=None) -> CompressedContext:
+        """This context followed by ``ids`` (a new turn), compressed with the same policy: of the
+        tokens appended since the last compression, ``1 - ratio`` are kept, scored with the
+        queries of this forward (for KVzip, by reconstructing them). ``self`` is unchanged.
+
+        ``ids`` is ``[batch, tokens]`` (or 1-D for a batch of one), all real tokens.
+        """
+        ids = self._as_batch(ids)
+        cache = self.copy_cache()
+        input_ids = torch.cat([self.input_ids, ids], dim=-1)
+        mask = torch.cat([self.attention_mask, torch.ones_like(ids)], dim=-1)
+        compress_appended(self.model, cache, input_ids, mask, self.input_ids.shape[1], tokenizer)
+        return CompressedContext(self.model, input_ids, mask, cache)
+
+    def _as_batch(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:
+            ids = ids[None]
+        ids = ids.to(self.input_ids.device)
+        if ids.shape[0] != self.input_ids.shape[0]:
+            raise ValueError(
+                f"the context has batch size {self.input_ids.shape[0]} but the new tokens have "
+                f"{ids.shape[0]}"
+            )
+        return ids
+
     def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
         """``model.generate`` on context + question, reusing a copy of the compressed cache.
 
         ``question_ids`` is ``[batch, question_tokens]`` (or 1-D for a batch of one). Returns the
         generated tokens only, ``[batch, new_tokens]``.
         """
-        if question_ids.dim() == 1:
-            question_ids = question_ids[None]
-        question_ids = question_ids.to(self.input_ids.device)
-        if question_ids.shape[0] != self.input_ids.shape[0]:
-            raise ValueError(
-                f"the context has batch size {self.input_ids.shape[0]} but the question has "
-                f"{question_ids.shape[0]}"
-            )
+        question_ids = self._as_batch(question_ids)
         ids = torch.cat([self.input_ids, question_ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question_ids)], dim=-1)
         cache_kwarg = {compat.cache_argument(self.model): self.copy_cache()}
@@ -95,3 +116,49 @@ def prefill(
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
     prefill_into(model, cache, input_ids, attention_mask, tokenizer)
     return CompressedContext(model, input_ids, attention_mask, cache)
+
+
+@torch.no_grad()
+def compress_appended(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+    tokenizer=None,
+) -> None:
+    """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``), then
+    compress each layer's tail, these tokens included, with the layer's own policy."""
+    layers = [layer for layer in cache.compressed_layers if layer.is_compressed]
+    for layer in layers:
+        layer.capture_queries = True
+    lengths = attention_mask[:, :start].sum(-1, keepdim=True)
+    new = input_ids[:, start:]
+    positions = lengths + torch.arange(new.shape[1], device=new.device)
+    try:
+        model(
+            new,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+        )
+    finally:
+        for layer in layers:
+            layer.capture_queries = False
+    if not layers:
+        return
+    policy = layers[0].policy
+    if token_policy_of(policy).needs_replay:
+        tail_start = layers[0].tail_start
+        prompts = replay.RepeatPrompts(tokenizer_of(model, tokenizer), input_ids.device)
+        scorer = replay.replay_scorer(policy)
+        replay.reconstruct(model, cache, input_ids, attention_mask, prompts, scorer, tail_start)
+    inputs = [layer.segment_inputs() for layer in layers]
+    windows = [
+        layer.full_width_window(x.num_tokens) for layer, x in zip(layers, inputs, strict=True)
+    ]
+    plans = token_policy_of(policy).plan_layers(inputs, windows)
+    for layer, plan in zip(layers, plans, strict=True):
+        layer.compress_segment(plan.keep)

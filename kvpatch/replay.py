@@ -98,19 +98,25 @@ def reconstruct(
     attention_mask: torch.Tensor,
     prompts: RepeatPrompts,
     scorer: KVzip,
+    start: int = 0,
 ) -> None:
-    """Run the reconstruction chunks through ``cache``; each deferred layer ends up with its
-    ``replay_attention`` ``[batch, kv_heads, prefill]``."""
-    layers = cache.deferred_layers
+    """Run the reconstruction of ``input_ids[:, start:]`` through ``cache``, whose layers hold
+    ``input_ids`` (``attention_mask`` marks its real tokens): the whole prefill of layers that
+    wait for it (``start`` 0) or, for compressed layers, their tail from ``start`` on. Each such
+    layer ends up with ``replay_attention`` ``[batch, kv_heads, scored tokens]``."""
+    layers = cache.deferred_layers if start == 0 else cache.compressed_layers
     others = [layer for layer in cache.layers if not isinstance(layer, CompressedLayer)]
     mask = attention_mask.bool()
     rows = [ids[real] for ids, real in zip(input_ids, mask, strict=True)]  # each row's own tokens
     lengths = mask.sum(-1, keepdim=True)  # the position of each row's first new token
+    firsts = mask[:, :start].sum(-1).tolist()  # where each row's scored tokens begin
     argument = compat.cache_argument(model)
-    for start in range(0, int(lengths.max()), scorer.chunk_size):
-        ids, valid = _chunk_batch(prompts, rows, start, scorer.chunk_size, scorer.overlap)
+    longest = max(len(row) - first for row, first in zip(rows, firsts, strict=True))
+    for offset in range(0, longest, scorer.chunk_size):
+        starts = [first + offset for first in firsts]
+        ids, valid = _chunk_batch(prompts, rows, starts, scorer.chunk_size, scorer.overlap)
         positions = lengths + valid.long().cumsum(-1) - 1
-        chunk = ReplayChunk(key_valid=torch.cat([mask, valid], dim=-1), query_valid=valid)
+        chunk = ReplayChunk(query_valid=valid, prefill_valid=mask)
         saved = [dict(layer.__dict__) for layer in others]  # sliding layers: restored below
         for layer in layers:
             layer.replay = chunk
@@ -135,13 +141,13 @@ def reconstruct(
 
 
 def _chunk_batch(
-    prompts: RepeatPrompts, rows: list[torch.Tensor], start: int, size: int, overlap: int
+    prompts: RepeatPrompts, rows: list[torch.Tensor], starts: list[int], size: int, overlap: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[batch, n]`` ids and validity of one reconstruction chunk: for every row, its prompt and
     its real tokens ``[start, start + size)``, left-padded to the longest row (a row whose tokens
     ran out gets only padding), so that each row reads what it would alone."""
     pieces = []
-    for tokens in rows:
+    for tokens, start in zip(rows, starts, strict=True):
         if start >= tokens.shape[0]:
             pieces.append(tokens[:0])
             continue

@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, prompt
 from oracle import evictions_of, greedy_logits, oracle_logits
 from test_generation import left_padded
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
@@ -391,3 +392,90 @@ def test_keydiff_is_question_agnostic():
         for n in (1, 50)
     ]
     assert torch.equal(plans[0].keep, plans[1].keep)
+
+
+# -- a conversation compressed turn by turn ----------------------------------------------------
+
+
+def oracle_turns(model, ids, turns, steps_from, evictions, tokens):
+    """The masked full-cache model fed ``ids`` in the chunks ``turns`` (end positions), each chunk
+    seeing the evictions in force when it was appended (``evictions[i]`` for chunk ``i + 1``),
+    then ``tokens`` one at a time with the last evictions. Returns the logits after the last
+    chunk and after each fed token."""
+    from oracle import ORACLE, _evictions, _schedule
+
+    implementation = compat.attention_implementation(model)
+    cache = DynamicCache(config=model.config)
+    name = compat.cache_argument(model)
+    logits = []
+    compat.set_attention_implementation(model, ORACLE)
+    try:
+        with torch.no_grad():
+            start = 0
+            for index, end in enumerate(turns):
+                _schedule.clear()
+                if index:
+                    _schedule[end] = evictions[index - 1]
+                out = model(ids[:, start:end], use_cache=True, **{name: cache})
+                start = end
+            logits.append(out.logits[:, -1].float())
+            _schedule.clear()
+            _evictions.clear()
+            _evictions.update(evictions[-1])
+            for step in range(tokens.shape[1]):
+                out = model(tokens[:, step : step + 1], use_cache=True, **{name: cache})
+                logits.append(out.logits[:, -1].float())
+    finally:
+        compat.set_attention_implementation(model, implementation)
+        _evictions.clear()
+        _schedule.clear()
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "snapkv:0.5",
+        "kvzip:0.5",
+        "ada-kvzip:0.6",
+        "think:0.5+global-kvzip:0.5",
+        "expected-attention",
+    ],
+)
+def test_extend_compresses_each_turn_as_the_oracle_says(policy):
+    model = make_model("llama")
+    ids = prompt(420)
+    turns = [250, 350, 420]  # the context, a second turn, the question
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        context = kvpatch.prefill(model, ids[:, : turns[0]])
+        before = evictions_of(context.cache)
+        extended = context.extend(ids[:, turns[0] : turns[1]])
+        assert context.cache.get_seq_length() == turns[0]  # the original is untouched
+        after = evictions_of(extended.cache)
+        cache = extended.copy_cache()
+        name = compat.cache_argument(model)
+        with torch.no_grad():
+            out = model(ids[:, turns[1] :], use_cache=True, **{name: cache})
+            logits = [out.logits[:, -1].float()]
+            fed = []
+            for _ in range(STEPS):
+                fed.append(logits[-1].argmax(-1, keepdim=True))
+                logits.append(model(fed[-1], use_cache=True, **{name: cache}).logits[:, -1])
+    tokens = torch.cat(fed, 1)
+    # each turn kept (1 - ratio) of itself (at least the protected tokens), so the history held
+    # is (1 - ratio) of all; a channel policy's full-width window is compressed with the next turn
+    parsed = parse_policy(policy)
+    ratio, protected = getattr(parsed, "tokens", parsed).ratio, parsed.protected_tokens
+    budget = lambda n: max(n - math.floor(n * ratio), protected)
+    window = turns[0] - min(e.full_width_from for e in before.values())
+    per_head = budget(turns[0]) - window + budget(window + turns[1] - turns[0])
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    held = sum(int(n.sum()) for n in extended.cache.physical_lengths())
+    if "global-" in policy or "ada-" in policy:
+        assert held == layers * heads * per_head
+    else:
+        assert all((n == per_head).all() for n in extended.cache.physical_lengths())
+    for layer in after.values():
+        assert (~layer.keep[..., turns[0] : layer.full_width_from]).any()  # the turn lost tokens
+    expected = oracle_turns(model, ids, turns, STEPS, [before, after], tokens)
+    torch.testing.assert_close(torch.stack(logits).float(), expected, atol=1e-4, rtol=0)

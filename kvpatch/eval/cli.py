@@ -46,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["single"],
         choices=TASKS,
-        help="single needle, multi-key (distractors), multi-value (default: single)",
+        help="single needle, multi-key (distractors), multi-value, multi-question (three "
+        "questions on one compressed context), chat (a history compressed turn by turn) "
+        "(default: single)",
     )
     p.add_argument(
         "--modes",

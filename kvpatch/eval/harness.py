@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -286,6 +287,8 @@ class SharedPrefill:
     #: KVzip's reconstruction attention per (prefix length, chunk size, overlap), per layer
     replays: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
     replay_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    #: seconds of reconstruction the last :meth:`cache` reused instead of running
+    reused_replay_s: float = 0.0
 
     @classmethod
     @torch.no_grad()
@@ -314,6 +317,7 @@ class SharedPrefill:
         else:
             cache = CompressedDynamicCache(config=model.config, policy=policy)
         length = length or self.input_ids.shape[1]
+        self.reused_replay_s = 0.0
         deferred = policy is not None and cache.policy.needs_all_layers
         for index, layer in enumerate(cache.layers):
             inputs = self.inputs[index]
@@ -347,16 +351,10 @@ class SharedPrefill:
             replay.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
             self.replay_seconds[key] = time.perf_counter() - start
             self.replays[key] = [layer.replay_attention for layer in cache.deferred_layers]
+        else:
+            self.reused_replay_s = self.replay_seconds[key]
         for layer, attention in zip(cache.deferred_layers, self.replays[key], strict=True):
             layer.replay_attention = attention
-
-    def replay_time(self, policy: str | None, length: int) -> float:
-        """Seconds the reconstruction of the first ``length`` tokens took for ``policy``."""
-        parsed = kvpatch.parse_policy(policy)
-        if parsed is None or not parsed.needs_replay:
-            return 0.0
-        scorer = replay.replay_scorer(parsed)
-        return self.replay_seconds.get((length, scorer.chunk_size, scorer.overlap), 0.0)
 
 
 @torch.no_grad()
@@ -375,12 +373,13 @@ def answer_shared(
     a copy of ``context_cache``, built from it before)."""
     ids = sample.input_ids[None].to(model.device)
     split = sample.context_ids.shape[0] if mode == "agnostic" else ids.shape[1]
-    start = time.perf_counter()
+    start, reused = time.perf_counter(), 0.0
     if context_cache is not None:
         cache = copy.deepcopy(context_cache)
     else:
         cache = prefill.cache(model, policy, split, tokenizer)
-    compress_s = time.perf_counter() - start + prefill.replay_time(policy, split)
+        reused = prefill.reused_replay_s  # a reconstruction shared with another ratio
+    compress_s = time.perf_counter() - start + reused
     logits = prefill.logits if split == ids.shape[1] else None
     if policy is not None and not kvpatch.is_enabled(model):
         kvpatch.enable(model)
@@ -399,6 +398,20 @@ def build_context(model, sample: Sample, policy: str | None, tokenizer=None):
     cache = DynamicCache(config=model.config)
     model(ids, use_cache=True, logits_to_keep=1, **{compat.cache_argument(model): cache})
     return cache
+
+
+@torch.no_grad()
+def build_chat(model, sample: Sample, policy: str | None, tokenizer=None):
+    """The cache of a conversation's history, compressed with ``policy`` turn by turn: the first
+    turn by :func:`kvpatch.prefill`, each later one by :meth:`~kvpatch.CompressedContext.extend`
+    (None: a full ``DynamicCache``)."""
+    if policy is None:
+        return build_context(model, sample, None)
+    ids = sample.context_ids[None].to(model.device)
+    context = kvpatch.prefill(model, ids[:, : sample.turns[0]], policy=policy, tokenizer=tokenizer)
+    for start, end in itertools.pairwise(sample.turns):
+        context = context.extend(ids[:, start:end], tokenizer=tokenizer)
+    return context.cache
 
 
 def context_groups(samples: list[Sample]) -> list[list[tuple[int, Sample]]]:
@@ -472,12 +485,15 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
                 for policy, ratio in runs:
                     spec = None if policy == FULL else with_ratio(policy, ratio)
                     context_cache, context_s = None, 0.0
-                    if mode == "agnostic" and len(group) > 1:  # one compressed context, copied
+                    # one compressed context, copied for each question; a chat turn by turn
+                    if mode == "agnostic" and (len(group) > 1 or group[0].turns):
                         start = time.perf_counter()
-                        if config.shared_prefill:
+                        if group[0].turns:
+                            context_cache = build_chat(model, group[0], spec, tokenizer)
+                        elif config.shared_prefill:
                             split = group[0].context_ids.shape[0]
                             context_cache = prefills[0].cache(model, spec, split, tokenizer)
-                            context_s = prefills[0].replay_time(spec, split)
+                            context_s = prefills[0].reused_replay_s
                         else:
                             context_cache = build_context(model, group[0], spec, tokenizer)
                         context_s += time.perf_counter() - start

@@ -8,7 +8,10 @@ A haystack of random common words hides *needles*, ``One of the special magic nu
 - ``multivalue`` — several needles with the same key; all their values are asked for;
 - ``multiquestion`` — several needles with different keys, each asked for by its own question
   about the same context (one sample per question, sharing ``context_ids``): compress the context
-  once, answer every question from a copy of that cache.
+  once, answer every question from a copy of that cache;
+- ``chat`` — a conversation: each user turn brings part of the haystack with one needle, the
+  assistant acknowledges it, and a last turn asks for the needle of an earlier turn. Compressed
+  question-agnostically, the history is compressed turn by turn (``Sample.turns``).
 
 Each sample is one token sequence: ``context_ids`` (instructions, haystack and needles) then
 ``question_ids`` (the question and the start of the answer). A sample can be answered with the
@@ -94,7 +97,9 @@ lantern lemon magnet meadow mirror needle orchard otter parrot pebble pillow pir
 ribbon saddle tablet teapot thimble tiger tulip tunnel violin walrus wagon whistle window zebra
 """.split()  # noqa: SIM905
 
-TASKS = ("single", "multikey", "multivalue", "multiquestion")
+TASKS = ("single", "multikey", "multivalue", "multiquestion", "chat")
+#: the assistant's reply to every turn of a ``chat`` sample
+ACKNOWLEDGEMENT = "Noted."
 
 INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize "
@@ -116,6 +121,11 @@ class Codec:
     def wrap(self, user_text: str) -> tuple[str, str]:
         """Text before and after ``user_text`` (a chat template's turn markers, or nothing)."""
         return "", ""
+
+    def conversation(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """``messages`` (``{"role", "content"}``) as text: the chat template, or plain turns."""
+        text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
+        return text + ("Assistant:" if add_generation_prompt else "")
 
 
 class HFCodec(Codec):
@@ -142,6 +152,13 @@ class HFCodec(Codec):
         )
         before, _, after = text.partition(marker)
         return before, after
+
+    def conversation(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return super().conversation(messages, add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
 
 class ByteCodec(Codec):
@@ -180,6 +197,7 @@ class Sample:
     depth : relative position of the (first) asked needle in the haystack.
     context : index of the context among the samples; samples of one context share
         ``context_ids`` (``multiquestion``).
+    turns : for a conversation (``chat``), where each turn of ``context_ids`` ends.
     """
 
     task: str
@@ -189,6 +207,7 @@ class Sample:
     needle_spans: list[list[int]] = field(default_factory=list)
     depth: float = 0.0
     context: int = 0
+    turns: list[int] = field(default_factory=list)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -234,6 +253,33 @@ def _question_text(codec: Codec, key: str, several: bool) -> str:
     return f"\n{question}{after or chr(10)}{prefix}"
 
 
+def _haystack(codec: Codec, rng: random.Random, budget: int, sentences: list[str]) -> str:
+    """Random common words of about ``budget`` tokens with ``sentences`` (the needles) hidden at
+    random word boundaries, in a random order."""
+    # random words until the haystack's tokens reach the budget
+    per_word = len(codec.encode(" " + " ".join(rng.choices(WORDS, k=200)))[0]) / 200
+    words = rng.choices(WORDS, k=max(int(budget / per_word), 8))
+    while True:
+        count = len(codec.encode(" " + " ".join(words))[0])
+        if abs(count - budget) <= max(4, budget // 200):
+            break
+        change = int((budget - count) / per_word) or (1 if count < budget else -1)
+        words = words + rng.choices(WORDS, k=change) if change > 0 else words[:change]
+        if len(words) < 8:
+            break
+    # needles at random word boundaries, in sorted order; the asked one at a random depth
+    slots = sorted(rng.sample(range(len(words) + 1), len(sentences)))
+    order = list(range(len(sentences)))
+    rng.shuffle(order)
+    pieces, last = [], 0
+    for slot, index in zip(slots, order, strict=True):
+        pieces.append(" " + " ".join(words[last:slot]) if slot > last else "")
+        pieces.append(sentences[index])
+        last = slot
+    pieces.append(" " + " ".join(words[last:]) if last < len(words) else "")
+    return "".join(pieces).strip()
+
+
 def make_sample(
     task: str,
     codec: Codec,
@@ -262,6 +308,8 @@ def make_context(
     about it: one, or ``questions`` for ``multiquestion``."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if task == "chat":
+        return [make_chat(codec, context_tokens, rng, digits, turns=questions)]
     keys: set[str] = set()
     numbers: set[str] = set()
     key = _key(rng, keys)
@@ -284,28 +332,7 @@ def make_context(
     overhead += sum(len(codec.encode(s)[0]) for s in sentences)
     budget = max(context_tokens - overhead, 16)
 
-    # random words until the haystack's tokens reach the budget
-    per_word = len(codec.encode(" " + " ".join(rng.choices(WORDS, k=200)))[0]) / 200
-    words = rng.choices(WORDS, k=max(int(budget / per_word), 8))
-    while True:
-        count = len(codec.encode(" " + " ".join(words))[0])
-        if abs(count - budget) <= max(4, budget // 200):
-            break
-        change = int((budget - count) / per_word) or (1 if count < budget else -1)
-        words = words + rng.choices(WORDS, k=change) if change > 0 else words[:change]
-        if len(words) < 8:
-            break
-    # needles at random word boundaries, in sorted order; the asked one at a random depth
-    slots = sorted(rng.sample(range(len(words) + 1), len(needles)))
-    order = list(range(len(needles)))
-    rng.shuffle(order)
-    pieces, last = [], 0
-    for slot, index in zip(slots, order, strict=True):
-        pieces.append(" " + " ".join(words[last:slot]) if slot > last else "")
-        pieces.append(sentences[index])
-        last = slot
-    pieces.append(" " + " ".join(words[last:]) if last < len(words) else "")
-    haystack = "".join(pieces).strip()
+    haystack = _haystack(codec, rng, budget, sentences)
 
     context_text = before + INSTRUCTION + haystack
     context_ids, spans = codec.encode(context_text)
@@ -330,6 +357,55 @@ def make_context(
             )
         )
     return samples
+
+
+def make_chat(
+    codec: Codec, context_tokens: int, rng: random.Random, digits: int = 6, turns: int = 3
+) -> Sample:
+    """A conversation of ``turns`` user turns of about ``context_tokens / turns`` tokens, each
+    hiding one needle and answered with :data:`ACKNOWLEDGEMENT`, then a question about the needle
+    of a turn before the last one."""
+    if turns < 2:
+        raise ValueError(f"a chat needs at least 2 turns, got {turns}")
+    keys: set[str] = set()
+    numbers: set[str] = set()
+    needles = [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(turns)]
+    asked = rng.randrange(turns - 1)
+    key, answer = needles[asked]
+    question = (
+        f"What is the special magic number for {key} mentioned in the conversation? "
+        "Answer with the number only."
+    )
+    sentence = lambda k, v: f" One of the special magic numbers for {k} is: {v}."
+    overhead = len(codec.encode(INSTRUCTION + question)[0]) + 24 * (turns + 1)
+    overhead += sum(len(codec.encode(sentence(k, v))[0]) for k, v in needles)
+    budget = max((context_tokens - overhead) // turns, 16)
+    messages, ends = [], []
+    for index, (k, v) in enumerate(needles):
+        text = _haystack(codec, rng, budget, [sentence(k, v)])
+        messages.append({"role": "user", "content": (INSTRUCTION if index == 0 else "") + text})
+        messages.append({"role": "assistant", "content": ACKNOWLEDGEMENT})
+        ends.append(len(codec.conversation(messages)))
+    context_text = codec.conversation(messages)
+    asking = codec.conversation([*messages, {"role": "user", "content": question}], True)
+    if not asking.startswith(context_text):
+        raise ValueError("the chat template does not render a conversation as its turns in order")
+    turn = asking[len(context_text) :]
+    space = "" if turn[-1:].isspace() else " "
+    question_text = f"{turn}{space}The special magic number for {key} is:"
+    context_ids, spans = codec.encode(context_text)
+    turn_ends = [sum(1 for _, end in spans if end <= char) for char in ends]
+    start = context_text.index(f" is: {answer}.") + len(" is: ")
+    span = [i for i, (a, b) in enumerate(spans) if a < start + len(answer) and b > start]
+    return Sample(
+        task="chat",
+        context_ids=torch.tensor(context_ids, dtype=torch.long),
+        question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
+        answers=[answer],
+        needle_spans=[span],
+        depth=span[0] / max(len(context_ids), 1),
+        turns=turn_ends,
+    )
 
 
 def make_samples(

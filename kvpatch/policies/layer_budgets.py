@@ -66,7 +66,8 @@ class GlobalBudgets(WrapsScorer, Policy):
         shapes = [s.shape for s in scores]
         flat = torch.cat([s.flatten(1) for s in scores], dim=1)  # [batch, layers * heads * tokens]
         keep = select_top(flat, budget).split([s[1] * s[2] for s in shapes], dim=1)
+        # clone: a view would keep (and count) the whole model's mask in every layer
         return [
-            Plan(keep=k.view(shape), channels=None, full_width_from=shape[2])
+            Plan(keep=k.reshape(shape).clone(), channels=None, full_width_from=shape[2])
             for k, shape in zip(keep, shapes, strict=True)
         ]
