@@ -615,7 +615,7 @@ class CompressedLayer(DynamicLayer):
         if self.packed is None:
             return storage_nbytes(self.keys, self.values)
         blocks = (self.block_keys.data, self.block_values.data)
-        extra = (self.key_norm_bound, self.tail_valid, self.recent_queries)
+        extra = (self.key_norm_bound, self.tail_valid, self.recent_queries, self.position_offset)
         return storage_nbytes(*blocks, *extra) + self.packed.nbytes()
 
 

@@ -208,6 +208,48 @@ def test_generate_reconstructs_the_prompt(policy):
     assert torch.equal(logits[1:].argmax(-1).T, out[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=3, do_sample=False),
+        dict(num_beams=3, num_return_sequences=2, do_sample=False),
+        dict(do_sample=True, num_return_sequences=3, top_k=20),
+    ],
+    ids=["beams", "beams-return-2", "sampling-return-3"],
+)
+def test_generate_modes_with_kvzip_match_oracle(settings):
+    """The prompt is reconstructed once, then the cache is expanded for beams or returned
+    sequences; the oracle, prefilled the same way and expanded alike, picks the same tokens."""
+    from oracle import ORACLE, _evictions
+
+    model = make_model("llama")
+    ids = prompt(200)
+    name = compat.cache_argument(model)
+    common = dict(max_new_tokens=6, pad_token_id=0, **settings)
+    with kvpatch.enabled(model, "ada-kvzip:0.6", tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        torch.manual_seed(7)
+        out = model.generate(ids, **common, **{name: cache})
+    expand = max(settings.get("num_beams", 1), settings.get("num_return_sequences", 1))
+    assert cache.physical_lengths()[0].shape[0] == expand
+    implementation = compat.attention_implementation(model)
+    _evictions.update(evictions_of(cache))  # rows are copies of one: the first row's stand
+    for eviction in _evictions.values():
+        eviction.keep = eviction.keep[:1]
+    compat.set_attention_implementation(model, ORACLE)
+    try:
+        oracle_cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :-1], use_cache=True, **{name: oracle_cache})
+        oracle_cache.batch_repeat_interleave(expand)
+        torch.manual_seed(7)
+        expected = model.generate(ids, **common, **{name: oracle_cache})
+    finally:
+        compat.set_attention_implementation(model, implementation)
+        _evictions.clear()
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("policy", ["global-snapkv:0.6", "think:0.5+global-expected-attention"])
 def test_shared_budgets_compress_at_the_first_decoding_step(policy):
     """A plain forward leaves the layers waiting for the whole prefill; the next step compresses
@@ -479,3 +521,31 @@ def test_extend_compresses_each_turn_as_the_oracle_says(policy):
         assert (~layer.keep[..., turns[0] : layer.full_width_from]).any()  # the turn lost tokens
     expected = oracle_turns(model, ids, turns, STEPS, [before, after], tokens)
     torch.testing.assert_close(torch.stack(logits).float(), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("policy", "kept"),
+    [
+        ("kvzip:0.75", 0.25),
+        ("ada-kvzip:0.75", 0.25),
+        ("global-kvzip:0.75", 0.25),
+        ("think:0.5+global-kvzip:0.5", 0.375),
+        ("expected-attention:0.75", 0.25),
+        ("think:0.5+ada-keydiff:0.5", 0.375),
+    ],
+)
+def test_agnostic_bytes_after_prefill(policy, kept, dtype):
+    """After ``kvpatch.prefill`` of 1,024 tokens, every tensor held counts, (1 - r) of full."""
+    from test_memory import PROMPT, SLACK, held_bytes
+
+    model = make_model("llama").to(dtype)
+    ids = prompt(PROMPT)
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{compat.cache_argument(model): full})
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        cache = kvpatch.prefill(model, ids).cache
+    held, full_bytes = held_bytes(cache.layers), held_bytes(full.layers)
+    assert cache.nbytes() == held, "nbytes() must count every tensor the cache holds"
+    assert kept - SLACK <= held / full_bytes <= kept + SLACK, f"{held / full_bytes:.4f}"

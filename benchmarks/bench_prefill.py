@@ -1,0 +1,117 @@
+"""What question-agnostic scoring costs at prefill: time and peak memory against a plain prefill.
+
+Each run is a fresh process (so that its peak memory is its own) that builds the random
+Llama-style model of ``bench_cache.py`` and prefills a context with ``kvpatch.prefill``: for
+``kvzip`` that includes the context reconstruction (one more pass over the context, chunk by
+chunk). Times are ratios to the plain prefill (a ``DynamicCache``, the same forward) measured in
+the same run, medians of ``--repeats`` interleaved rounds with their spread. "extra peak MB" is
+the run's peak resident memory minus the plain prefill's.
+
+    python benchmarks/bench_prefill.py --contexts 2048 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cache import FULL, build_model, run_isolated, spread
+
+POLICIES = [
+    "snapkv:0.5",
+    "keydiff:0.5",
+    "expected-attention:0.5",
+    "kvzip:0.5",
+    "ada-kvzip:0.5",
+    "global-kvzip:0.5",
+]
+
+
+class ByteTokenizer:
+    """Token ids of the repeat prompt for the random model: one per byte (its vocabulary has
+    4,096)."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": list(text.encode())}
+
+
+def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
+    """One prefill of ``context`` random tokens in this process."""
+    from transformers import DynamicCache
+
+    import kvpatch
+    from kvpatch import compat
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    model = build_model()
+    ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        if policy == FULL:
+            cache = DynamicCache(config=model.config)
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
+            seconds = time.perf_counter() - start
+        else:
+            kvpatch.enable(model, policy, tokenizer=ByteTokenizer())
+            start = time.perf_counter()
+            kvpatch.prefill(model, ids)
+            seconds = time.perf_counter() - start
+    return {
+        "policy": policy,
+        "context": context,
+        "prefill_s": seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--json", help="also write the raw runs here")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        policy, context, unused, threads = args.child
+        print(json.dumps(measure(policy, int(context), int(unused), int(threads))))
+        return
+    runs = []
+    header = f"{'context':>7} {'policy':<24} {'prefill/plain':>14} {'prefill s':>10}"
+    print(f"{header} {'extra peak MB':>14}")
+    for context in args.contexts:
+        measured: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):  # interleaved, so that drift hits every policy alike
+            for policy in [FULL, *args.policies]:
+                run = run_isolated(__file__, policy, context, 0, args.threads)
+                runs.append(run)
+                measured.setdefault(policy, []).append(run)
+        plain = statistics.median(r["prefill_s"] for r in measured[FULL])
+        plain_peak = statistics.median(r["peak_rss_mb"] for r in measured[FULL])
+        for policy, results in measured.items():
+            ratios = [r["prefill_s"] / plain for r in results]
+            peak = statistics.median(r["peak_rss_mb"] for r in results) - plain_peak
+            print(
+                f"{context:>7} {policy:<24} {statistics.median(ratios):>8.2f} {spread(ratios):>5} "
+                f"{statistics.median(r['prefill_s'] for r in results):>10.2f} {peak:>14.0f}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
