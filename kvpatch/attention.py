@@ -11,7 +11,7 @@ description :mod:`kvpatch.cache` attaches to the keys:
   Where fake keys cannot be guaranteed (soft-capped logits, queries no hyperplane separates), the
   padding slots are masked explicitly instead.
 - :class:`~kvpatch.cache.ReplayView` (a KVzip context reconstruction): kvpatch computes the
-  attention itself, whatever the backend, since it needs the weights: it records each prefill
+  attention itself, whatever the backend, since it needs the weights: it records each scored
   token's largest weight and returns the output.
 """
 

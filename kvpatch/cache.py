@@ -256,7 +256,7 @@ class CompressedLayer(DynamicLayer):
         return mark(keys, view), values
 
     def record_replay_attention(self, attention: torch.Tensor) -> None:
-        """Keep the largest attention each prefill token got, ``[batch, kv_heads, prefill]``."""
+        """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
         if self.replay_attention is None:
             self.replay_attention = attention
         else:
@@ -700,7 +700,7 @@ class CompressedDynamicCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
-        if deferred and not layer.replay and not layer.policy.needs_replay:
+        if deferred and layer.replay is None and not layer.policy.needs_replay:
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         view = view_of(keys)
