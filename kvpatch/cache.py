@@ -17,6 +17,7 @@ Lengths are *logical* (tokens seen, which positions and masks follow) or *physic
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,12 @@ class ReplayChunk:
     prefill_valid: torch.Tensor
     _masks: dict = dataclasses.field(default_factory=dict, repr=False)
     _buffers: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def prefill_held_valid(self) -> torch.Tensor:
+        """``prefill_valid`` as ``[batch, 1, prefill]``, one tensor for every layer (so that
+        :meth:`additive_mask` builds its mask once)."""
+        return self.prefill_valid[:, None, :]
 
     def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A float32 workspace reused by every layer of the chunk: allocating a fresh
@@ -246,7 +253,7 @@ class CompressedLayer(DynamicLayer):
             )
         if self.deferred is not None:
             keys, values, scored_from = self.keys, self.values, 0
-            held_valid = self.replay.prefill_valid[:, None, :]
+            held_valid = self.replay.prefill_held_valid
         else:
             keys, values, held_valid, _ = self._held()
             scored_from = self.packed.max_length

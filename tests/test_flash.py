@@ -48,3 +48,17 @@ def test_flash_attention_ratio_zero_matches_unpatched():
         logits, tokens = greedy_logits(model, ids, CompressedDynamicCache(config=model.config), 10)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["kvzip:0.5", "think:0.5+global-kvzip:0.6", "keydiff:0.5"])
+def test_flash_attention_question_agnostic_matches_oracle(policy):
+    """KVzip's reconstruction computes its own attention, so it runs under flash too."""
+    from test_agnostic import ByteTokenizer, prefill_and_decode
+
+    model = gpu_model()
+    ids = prompt(400).cuda()
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache(config=model.config)
+        logits, tokens = prefill_and_decode(model, ids, cache, steps=10)
+    expected = oracle_logits(model, ids, evictions_of(cache), tokens)
+    torch.testing.assert_close(logits, expected, atol=3e-2, rtol=0)
