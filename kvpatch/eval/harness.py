@@ -712,13 +712,16 @@ def plot_accuracy(summary: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4), squeeze=False, sharey=True)
     for ax, (task, mode) in zip(axes[0], keys, strict=True):
         rows = [r for r in summary if (r["task"], r["mode"]) == (task, mode)]
-        for policy in dict.fromkeys(r["policy"] for r in rows):
+        policies = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != FULL]
+        for policy in [FULL, *policies]:
             points = sorted((r["ratio"], r["accuracy"]) for r in rows if r["policy"] == policy)
             if policy == FULL:
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full cache")
-            else:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o", label=policy)
+                continue
+            index = policies.index(policy)  # 20 colours and 4 markers: no two policies alike
+            style = dict(color=plt.get_cmap("tab20")(index % 20), marker="os^D"[index // 5 % 4])
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, label=policy, **style)
         title = "question in prefill" if mode == "prefill" else "question-agnostic"
         ax.set_title(f"{task}, {title}")
         ax.set_xlabel("compression ratio (fraction of KV removed)")
