@@ -196,7 +196,8 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     )
     if wants_cache and all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS):
         kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
-    cache = next((kwargs.get(name) for name in compat.CACHE_ARGUMENTS if kwargs.get(name)), None)
+    given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
+    cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
         policy = cache.policy if cache.policy is not None else policy_of(model)
         if policy is not None and policy.needs_replay:

@@ -549,3 +549,18 @@ def test_agnostic_bytes_after_prefill(policy, kept, dtype):
     held, full_bytes = held_bytes(cache.layers), held_bytes(full.layers)
     assert cache.nbytes() == held, "nbytes() must count every tensor the cache holds"
     assert kept - SLACK <= held / full_bytes <= kept + SLACK, f"{held / full_bytes:.4f}"
+
+
+def test_generate_reconstructs_into_a_cache_built_without_config():
+    """A cache made without the model's config has no layers yet (it is falsy): still filled."""
+    model = make_model("llama")
+    ids = prompt(120)
+    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=ByteTokenizer()):
+        cache = CompressedDynamicCache()
+        model.generate(
+            ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+            **{compat.cache_argument(model): cache},
+        )  # fmt: skip
+    heads = model.config.num_key_value_heads
+    # 119 prompt tokens compressed to 60 per head, then the last prompt token and 2 generated
+    assert [int(n.sum()) for n in cache.physical_lengths()] == [heads * (60 + 3)] * 2
