@@ -512,13 +512,13 @@ class CompressedLayer(DynamicLayer):
         self._repack(keys, values, positions, keep)
         self.segment_queries = self.replay_attention = None
 
-    def full_width_window(self, tokens: int, batch: int | None = None) -> torch.Tensor | None:
+    def full_width_window(self, tokens: int) -> torch.Tensor | None:
         """``[batch, tokens]``: the last tokens that must stay full width (the channel policy's
         window, capped by the tail) and so are always kept; None without pruned channels."""
         width = self._full_width()
         if not width:
             return None
-        batch = self.tail_valid.shape[0] if batch is None else batch
+        batch = self.tail_valid.shape[0]
         window = torch.zeros(batch, tokens, dtype=torch.bool, device=self.tail_valid.device)
         window[:, tokens - width :] = True
         return window

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_model, prompt
 from oracle import evictions_of, greedy_logits, oracle_logits
-from test_generation import left_padded
+from test_generation import GENERATION_MODES, left_padded
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -208,15 +208,7 @@ def test_generate_reconstructs_the_prompt(policy):
     assert torch.equal(logits[1:].argmax(-1).T, out[:, ids.shape[1] :])
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(num_beams=3, do_sample=False),
-        dict(num_beams=3, num_return_sequences=2, do_sample=False),
-        dict(do_sample=True, num_return_sequences=3, top_k=20),
-    ],
-    ids=["beams", "beams-return-2", "sampling-return-3"],
-)
+@GENERATION_MODES
 def test_generate_modes_with_kvzip_match_oracle(settings):
     """The prompt is reconstructed once, then the cache is expanded for beams or returned
     sequences; the oracle, prefilled the same way and expanded alike, picks the same tokens."""

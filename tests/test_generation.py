@@ -83,7 +83,8 @@ def run_oracle_generate(model, ids, cache, **kwargs):
         _evictions.clear()
 
 
-@pytest.mark.parametrize(
+#: beams, beams with several returned sequences, sampling with several returned sequences
+GENERATION_MODES = pytest.mark.parametrize(
     "settings",
     [
         dict(num_beams=3, do_sample=False),
@@ -92,6 +93,9 @@ def run_oracle_generate(model, ids, cache, **kwargs):
     ],
     ids=["beams", "beams-return-2", "sampling-return-3"],
 )
+
+
+@GENERATION_MODES
 def test_generation_modes_match_oracle(settings):
     model = make_model("llama")
     ids = prompt(300)
