@@ -18,7 +18,8 @@ import torch
 
 from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer, ReplayChunk
-from kvpatch.policies import AdaKV, Composed, GlobalBudgets, KVzip, Policy, Spans
+from kvpatch.policies import Composed, KVzip, Policy
+from kvpatch.policies.base import WrapsScorer
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 
 
@@ -47,7 +48,7 @@ def replay_scorer(policy: Policy) -> KVzip:
     while not isinstance(policy, KVzip):
         if isinstance(policy, Composed):
             policy = policy.tokens
-        elif isinstance(policy, (AdaKV, GlobalBudgets, Spans)):
+        elif isinstance(policy, WrapsScorer):
             policy = policy.scorer
         else:
             raise ValueError(f"{policy!r} needs a context replay but holds no KVzip scorer")
@@ -64,19 +65,20 @@ class RepeatPrompts:
                 "pass it as kvpatch.enable(model, policy, tokenizer=tokenizer) or "
                 "kvpatch.prefill(..., tokenizer=tokenizer)"
             )
-        self.tokenizer, self.device = tokenizer, device
-        self.turn_end = self._encode(_turn_end(tokenizer))
-
-    def _encode(self, text: str) -> torch.Tensor:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        encode = lambda text: torch.tensor(
+            tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long, device=device
+        )
+        # encoded once: every chunk of every row uses them
+        self.turn_end = encode(_turn_end(tokenizer))
+        self._first = torch.cat([encode(REPEAT_PROMPT), self.turn_end])
+        self._continue = encode(CONTINUE_PROMPT)
 
     def first(self) -> torch.Tensor:
-        return torch.cat([self._encode(REPEAT_PROMPT), self.turn_end])
+        return self._first
 
     def later(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt before the overlap tokens, and the turn end after them."""
-        return self._encode(CONTINUE_PROMPT), self.turn_end
+        return self._continue, self.turn_end
 
 
 def _turn_end(tokenizer) -> str:
