@@ -35,7 +35,7 @@ def finish_prefill(
     layers = cache.deferred_layers
     if not layers:
         return
-    policy = layers[0].policy
+    policy = layers[0].deferred.policy
     if policy.needs_replay:
         scorer = replay_scorer(policy)
         prompts = RepeatPrompts(tokenizer, input_ids.device)

@@ -9,7 +9,7 @@ from oracle import greedy_logits
 
 import kvpatch
 from kvpatch import CompressedDynamicCache
-from kvpatch.packed import PackedKV
+from kvpatch.cache.packed import PackedKV
 from kvpatch.policies import Plan
 
 
@@ -48,7 +48,7 @@ LAYOUTS = [pytest.param(64, id="slice-copies"), pytest.param(0, id="indexed-copy
 @pytest.mark.parametrize("slice_copy_heads", LAYOUTS)
 @pytest.mark.parametrize("kept_channels", [None, 5])
 def test_dense_view_holds_each_heads_tokens_in_order(kept_channels, slice_copy_heads, monkeypatch):
-    monkeypatch.setattr("kvpatch.packed.SLICE_COPY_HEADS", slice_copy_heads)
+    monkeypatch.setattr("kvpatch.cache.packed.SLICE_COPY_HEADS", slice_copy_heads)
     keys, values, plan = random_plan(kept_channels=kept_channels, full_width_from=15)
     packed = PackedKV.from_plan(keys, values, plan)
     # written into a wider, dirty buffer, as the cache does before appending its tail

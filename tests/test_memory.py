@@ -16,20 +16,30 @@ PROMPT = 1024
 SLACK = 0.02
 
 
-def held_bytes(obj, seen=None) -> int:
-    """Bytes of every distinct tensor storage reachable from ``obj``'s attributes."""
+def held_bytes(obj, seen=None, visited=None) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj``'s attributes (through
+    containers, dataclasses and kvpatch's own objects)."""
     seen = {} if seen is None else seen
+    visited = set() if visited is None else visited
+    if id(obj) in visited:
+        return sum(seen.values())
+    visited.add(id(obj))
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            held_bytes(item, seen)
-    elif dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__"):
+            held_bytes(item, seen, visited)
+    elif hasattr(obj, "__dict__"):
         for value in vars(obj).values():
-            if isinstance(value, (torch.Tensor, list, tuple)) or dataclasses.is_dataclass(value):
-                held_bytes(value, seen)
+            if _may_hold_tensors(value):
+                held_bytes(value, seen, visited)
     return sum(seen.values())
+
+
+def _may_hold_tensors(value) -> bool:
+    owned = type(value).__module__.startswith("kvpatch.")
+    return isinstance(value, (torch.Tensor, list, tuple)) or owned or dataclasses.is_dataclass(value)
 
 
 def prefill(model, cache):
@@ -68,8 +78,8 @@ def test_storage_not_views_is_counted():
     layer = cache.layers[0]
     before = layer.nbytes()
     big = torch.zeros(1, 2, PROMPT, 32)
-    layer.block_keys.data = big[..., -layer.block_keys.length :, :]  # a small view of it
-    assert layer.nbytes() >= before + big.nbytes - layer.block_keys.view().nbytes
+    layer.store.keys.data = big[..., -layer.store.keys.length :, :]  # a small view of it
+    assert layer.nbytes() >= before + big.nbytes - layer.store.keys.view().nbytes
 
 
 def test_logical_and_physical_lengths():

@@ -20,9 +20,8 @@ from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import compat, replay
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer, cache_nbytes
 from kvpatch.eval.tasks import TASKS, ByteCodec, Codec, HFCodec, Sample, make_samples
-from kvpatch.packed import storage_nbytes
 from kvpatch.policies import LayerInputs, Plan, Policy
 
 DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "think:0.5+snapkv")
@@ -120,17 +119,6 @@ def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float
 
 
 # -- one run -------------------------------------------------------------------------------------
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes held by a compressed or stock cache (tensor storages)."""
-    if isinstance(cache, CompressedDynamicCache):
-        return cache.nbytes()
-    return sum(
-        storage_nbytes(layer.keys, layer.values)
-        for layer in cache.layers
-        if compat.layer_is_initialized(layer)
-    )
 
 
 def needle_survival(cache, spans: list[list[int]]) -> list[float] | None:

@@ -1,0 +1,38 @@
+"""A transformers cache that stores only what the policy keeps.
+
+- :mod:`~kvpatch.cache.dynamic` — :class:`CompressedDynamicCache`, the cache users pass;
+- :mod:`~kvpatch.cache.layer` — :class:`CompressedLayer`, one layer's life: dense prefill,
+  compression, appending;
+- :mod:`~kvpatch.cache.store` — the compressed layout: a packed part and a full-width tail;
+- :mod:`~kvpatch.cache.packed` — variable-length heads and channel-pruned keys, back to back;
+- :mod:`~kvpatch.cache.buffer` — the tail's storage, grown with spare room;
+- :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment;
+- :mod:`~kvpatch.cache.replay_chunk` — a KVzip reconstruction chunk's masks and workspaces;
+- :mod:`~kvpatch.cache.views` — what the layer tells the attention function about its keys;
+- :mod:`~kvpatch.cache.stats` — tokens and bytes held.
+"""
+
+from kvpatch.cache.dynamic import CompressedDynamicCache
+from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.recompress import RECENT_QUERIES, DecodeBudget, token_policy_of
+from kvpatch.cache.replay_chunk import ReplayChunk
+from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
+from kvpatch.cache.views import CompressedView, PrefillView, ReplayView, View, mark, view_of
+
+__all__ = [
+    "RECENT_QUERIES",
+    "CacheStats",
+    "CompressedDynamicCache",
+    "CompressedLayer",
+    "CompressedView",
+    "DecodeBudget",
+    "LayerStats",
+    "PrefillView",
+    "ReplayChunk",
+    "ReplayView",
+    "View",
+    "cache_nbytes",
+    "mark",
+    "token_policy_of",
+    "view_of",
+]

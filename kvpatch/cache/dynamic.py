@@ -1,0 +1,107 @@
+"""The cache users pass to ``generate``: a ``DynamicCache`` whose full-attention layers are
+:class:`~kvpatch.cache.layer.CompressedLayer`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.recompress import DecodeBudget, check_decode_budget
+from kvpatch.cache.stats import CacheStats, layer_stats
+from kvpatch.cache.views import PrefillView, view_of
+from kvpatch.policies import Policy, parse_policy
+
+
+class CompressedDynamicCache(DynamicCache):
+    """A ``DynamicCache`` whose full-attention layers are compressed after the prefill.
+
+    Parameters
+    ----------
+    config : PretrainedConfig, optional
+        The model's config; sliding-window layers found there stay uncompressed ``DynamicCache``
+        layers. Without it every layer is a :class:`CompressedLayer`.
+    policy : str or Policy, optional
+        What to keep; overrides the policy given to :func:`kvpatch.enable`. Without either, nothing
+        is compressed.
+    decode_budget : int, optional
+        Bound the cache while decoding too: once a layer's heads hold ``decode_budget +
+        decode_interval`` tokens on average, the layer is compressed back to ``decode_budget``
+        tokens per head with the same (token) policy. Without it, every generated token is kept.
+    decode_interval : int, default 64
+        How many tokens are appended between two decoding-time compressions.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        policy: str | Policy | None = None,
+        decode_budget: int | None = None,
+        decode_interval: int = 64,
+        **kwargs,
+    ):
+        super().__init__(config=config, **kwargs)
+        self.policy = parse_policy(policy)
+        self.decode_budget = (
+            None if decode_budget is None else DecodeBudget(decode_budget, decode_interval)
+        )
+        if self.policy is not None and self.decode_budget is not None:
+            check_decode_budget(self.policy, self.decode_budget)
+        if self.layer_class_to_replicate is not None:
+            self.layer_class_to_replicate = CompressedLayer
+        self.layers = [
+            CompressedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers
+        ]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
+        if deferred and layer.replay is None and not layer.deferred.policy.needs_replay:
+            self.compress_deferred()  # every layer's prefill is known by now
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        view = view_of(keys)
+        if isinstance(view, PrefillView):
+            view.policy, view.decode_budget = self.policy, self.decode_budget
+        return keys, values
+
+    @property
+    def deferred_layers(self) -> list[CompressedLayer]:
+        """Layers holding their whole prefill until :meth:`compress_deferred`."""
+        return [layer for layer in self.compressed_layers if layer.deferred is not None]
+
+    def compress_deferred(self) -> None:
+        """Compress the layers whose policy plans every layer at once (shared budgets, KVzip's
+        reconstruction scores in ``layer.replay_attention``)."""
+        layers = self.deferred_layers
+        if not layers:
+            return
+        policy = layers[0].deferred.policy
+        inputs = [
+            dataclasses.replace(layer.deferred.inputs, replay_attention=layer.replay_attention)
+            for layer in layers
+        ]
+        plans = policy.plan_layers(inputs)
+        for layer, layer_inputs, plan in zip(layers, inputs, plans, strict=True):
+            layer.compress(policy, layer_inputs, layer.deferred.decode_budget, plan=plan)
+
+    @property
+    def compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer's tensors (their storages), compressed or not."""
+        return self.stats().nbytes
+
+    def stats(self) -> CacheStats:
+        """Tokens held per layer and head, which positions, and bytes against an uncompressed
+        ``DynamicCache`` holding the same tokens."""
+        return CacheStats([layer_stats(layer) for layer in self.layers])
+
+    def physical_lengths(self) -> list[torch.Tensor | None]:
+        """Per layer, the tokens held by each (batch row, KV head); None for other layer kinds."""
+        return [
+            layer.physical_lengths() if isinstance(layer, CompressedLayer) else None
+            for layer in self.layers
+        ]

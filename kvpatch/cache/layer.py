@@ -1,0 +1,375 @@
+"""One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`.
+
+Its life:
+
+1. **prefill** — the first ``update`` stores the prompt's keys and values densely, like
+   ``DynamicLayer``, and returns them marked :class:`~kvpatch.cache.views.PrefillView`. The
+   kvpatch attention function computes the prefill's attention exactly, then calls
+   :meth:`CompressedLayer.compress` (or :meth:`~CompressedLayer.defer`, for a policy that plans
+   every layer at once).
+2. **compressed** — the prefill is replaced by a
+   :class:`~kvpatch.cache.store.CompressedStore`. ``update`` appends to its tail and returns a
+   transient dense view of the whole layer, marked
+   :class:`~kvpatch.cache.views.CompressedView` so the attention function knows which slots are
+   padding and where the tail starts.
+
+Lengths are *logical* (tokens seen, which positions and masks follow) or *physical* (tokens held).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvpatch import compat
+from kvpatch.cache import recompress
+from kvpatch.cache.packed import PackedKV, storage_nbytes
+from kvpatch.cache.recompress import DecodeBudget, LayerSetup, check_decode_budget
+from kvpatch.cache.replay_chunk import ReplayChunk
+from kvpatch.cache.store import CompressedStore
+from kvpatch.cache.views import CompressedView, PrefillView, ReplayView, mark
+from kvpatch.policies import LayerInputs, Plan, Policy
+
+
+@dataclass
+class Deferred:
+    """A prefill held densely until the cache compresses every layer together."""
+
+    policy: Policy
+    inputs: LayerInputs
+    decode_budget: DecodeBudget | None
+
+
+class CompressedLayer(DynamicLayer):
+    """One full-attention layer: dense until its prefill is compressed, a
+    :class:`~kvpatch.cache.store.CompressedStore` afterwards.
+
+    While dense, ``keys``/``values`` hold everything like ``DynamicLayer``. Once compressed they
+    show the store's full-width tail, as transformers' code expects them to exist.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        compat.clear_layer(self)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.store: CompressedStore | None = None
+        self.setup: LayerSetup | None = None
+        self.seen = 0  # logical length
+        self.awaiting_compression = False
+        self.passthrough = False  # nothing to compress: a plain dense layer
+        self.deferred: Deferred | None = None
+        self.replay: ReplayChunk | None = None
+        self.replay_attention: torch.Tensor | None = None
+        # appended tokens compressed after their forward: their queries, recorded meanwhile
+        self.capture_queries = False
+        self.segment_queries: torch.Tensor | None = None
+        self.recent_queries: torch.Tensor | None = None  # for a decode budget
+
+    # -- transformers' layer API ---------------------------------------------------------------
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = (value_states if value_states is not None else key_states)[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.awaiting_compression:
+            raise RuntimeError(
+                "CompressedDynamicCache was used by an attention implementation that does not "
+                "compress it. Call kvpatch.enable(model) before running the model with this cache."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.replay is not None or self.deferred is not None:
+            return self._replay_view(key_states, value_states)
+        first_forward = self.seen == 0
+        self.seen += key_states.shape[-2]
+        if self.store is not None:
+            return self._append_compressed(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if first_forward and not self.passthrough:
+            self.awaiting_compression = True
+            return mark(self.keys, PrefillView(self)), self.values
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        return self.seen + compat.query_length(query), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        compat.clear_layer(self)
+        super().reset()
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        remove = compat.tokens_to_remove(tokens_to_remove, self.seen)
+        if remove == 0:
+            return
+        if self.store is None:
+            self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - remove, :]
+        else:
+            self.store.truncate_tail(remove)
+            self._expose_tail()
+        self.seen -= remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+            self.batch_select_indices(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        indices = indices.to(self.keys.device)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        if self.store is None:
+            self.keys, self.values = self.keys[indices], self.values[indices]
+            return
+        self.store.select_rows(indices)
+        self.setup.select_rows(indices)
+        if self.recent_queries is not None:
+            self.recent_queries = self.recent_queries[indices]
+        self._expose_tail()
+
+    def offload(self):
+        self._move("cpu")
+
+    def prefetch(self):
+        if self.is_initialized and self.keys.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        if self.store is not None:
+            self.store.to(device)
+            self._expose_tail()
+        elif self.is_initialized:
+            self.keys = self.keys.to(device, non_blocking=True)
+            self.values = self.values.to(device, non_blocking=True)
+
+    # -- compression ---------------------------------------------------------------------------
+
+    def compress(
+        self,
+        policy: Policy | None,
+        inputs: LayerInputs,
+        decode_budget: DecodeBudget | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        """Replace the prefill by what ``policy`` keeps (called once, right after the prefill,
+        or with the ``plan`` made for every layer at once)."""
+        self.awaiting_compression = False
+        self.deferred = self.replay = self.replay_attention = None
+        if policy is None or inputs.num_tokens <= 1:
+            self.passthrough = True
+            return
+        if decode_budget is not None:
+            check_decode_budget(policy, decode_budget)
+        if plan is None:
+            plan = policy.plan(inputs)
+        _check_plan(plan, inputs)
+        start = plan.full_width_from
+        self.store = CompressedStore(
+            PackedKV.from_plan(self.keys, self.values, plan),
+            self.keys[..., start:, :],
+            self.values[..., start:, :],
+            tail_start=start,
+            tail_valid=inputs.head_valid[:, 0, start:],
+        )
+        self.setup = LayerSetup(
+            policy=policy,
+            scaling=inputs.scaling,
+            layer_idx=inputs.layer_idx,
+            rotary=inputs.rotary,
+            position_offset=(~inputs.head_valid[:, 0]).sum(-1),
+            decode_budget=decode_budget,
+        )
+        self._expose_tail()
+        if decode_budget is not None:
+            self.recent_queries = recompress.recent(None, inputs.queries)
+
+    def defer(
+        self, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None = None
+    ) -> None:
+        """Hold the prefill densely until the cache compresses every layer together."""
+        self.awaiting_compression = False
+        if decode_budget is not None:
+            check_decode_budget(policy, decode_budget)
+        if inputs.num_tokens <= 1:
+            self.passthrough = True
+            return
+        if policy.needs_replay:  # KVzip scores need no query; a ThinK window needs the last ones
+            inputs = dataclasses.replace(inputs, queries=recompress.recent(None, inputs.queries))
+        self.deferred = Deferred(policy, inputs, decode_budget)
+
+    def _append_compressed(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if recompress.over_decode_budget(self.store, self.setup.decode_budget):
+            self.store = recompress.compress_to_budget(
+                self.store, self.setup, self.recent_queries
+            )
+        self.store.append(key_states, value_states)
+        self._expose_tail()
+        return self._dense_view()
+
+    def remember_queries(self, queries: torch.Tensor) -> None:
+        """Keep the last queries, which decoding-time compression scores with, and all of an
+        appended segment's while ``capture_queries`` is set."""
+        if self.capture_queries:
+            previous = self.segment_queries
+            self.segment_queries = (
+                queries if previous is None else torch.cat([previous, queries], -2)
+            )
+        if self.setup.decode_budget is not None:
+            self.recent_queries = recompress.recent(self.recent_queries, queries)
+
+    # -- a segment appended after the compression (a chat turn) ---------------------------------
+
+    def segment_inputs(self) -> LayerInputs:
+        """The tail, as a policy sees it, with the queries recorded while it was appended."""
+        return recompress.segment_inputs(
+            self.store, self.setup, self.segment_queries, self.replay_attention
+        )
+
+    def full_width_window(self, tokens: int) -> torch.Tensor | None:
+        """Which of the last ``tokens`` stay full width (always kept); None without channels."""
+        return self.setup.full_width_window(self.store, tokens)
+
+    def compress_segment(self, keep: torch.Tensor) -> None:
+        """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail."""
+        self.store = recompress.compress_segment(self.store, self.setup, keep)
+        self.segment_queries = self.replay_attention = None
+        self._expose_tail()
+
+    # -- a context reconstruction (KVzip) ------------------------------------------------------
+
+    def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """What the layer holds and a reconstruction chunk, which is not stored: a waiting
+        prefill (every token scored), or a compressed layer (its tail scored)."""
+        if self.replay is None:
+            raise ValueError(
+                "this cache waits for a context reconstruction (the policy scores tokens with "
+                "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
+                "model.generate on an enabled model, not with a plain forward"
+            )
+        if self.deferred is not None:
+            keys, values, scored_from = self.keys, self.values, 0
+            held_valid = self.replay.prefill_held_valid
+        else:
+            keys, values = self.store.dense()
+            held_valid = self.store.slot_valid()
+            scored_from = self.store.packed.max_length
+        keys = torch.cat([keys, key_states], dim=-2)
+        values = torch.cat([values, value_states], dim=-2)
+        view = ReplayView(self, self.replay, held_valid, scored_from)
+        return mark(keys, view), values
+
+    def record_replay_attention(self, attention: torch.Tensor) -> None:
+        """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
+        if self.replay_attention is None:
+            self.replay_attention = attention
+        else:
+            self.replay_attention = torch.maximum(self.replay_attention, attention)
+
+    # -- the view the attention function reads -------------------------------------------------
+
+    def _expose_tail(self) -> None:
+        self.keys, self.values = self.store.tail()
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.store.dense()
+        packed = self.store.packed
+        view = CompressedView(
+            layer=self,
+            lengths=packed.lengths,
+            packed_length=packed.max_length,
+            tail_start=self.store.tail_start,
+            key_norm_bound=self.store.key_norm_bound,
+            padding_slots=None if packed.is_uniform else packed.padding_slots,
+        )
+        return mark(keys, view), values
+
+    # -- what is held --------------------------------------------------------------------------
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.store is not None
+
+    @property
+    def packed(self) -> PackedKV | None:
+        return None if self.store is None else self.store.packed
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy this layer was (or will be) compressed with."""
+        if self.deferred is not None:
+            return self.deferred.policy
+        return None if self.setup is None else self.setup.policy
+
+    @property
+    def tail_start(self) -> int:
+        return 0 if self.store is None else self.store.tail_start
+
+    def physical_lengths(self) -> torch.Tensor | None:
+        """Tokens held per (batch row, KV head), or None before the first update."""
+        if not self.is_initialized:
+            return None
+        if self.store is not None:
+            return self.store.physical_lengths()
+        b, h, held, _ = self.keys.shape
+        return torch.full((b, h), held, dtype=torch.long, device=self.keys.device)
+
+    def kept_positions(self, row: int, head: int) -> torch.Tensor:
+        """Logical positions of the tokens held by one head, in order."""
+        if self.store is None:
+            return torch.arange(self.seen, device=self.keys.device)
+        return self.store.kept_positions(row, head)
+
+    def kept_mask(self) -> torch.Tensor | None:
+        """Bool ``[batch, kv_heads, seen]``: which logical positions each head holds."""
+        if not self.is_initialized:
+            return None
+        if self.store is not None:
+            return self.store.kept_mask()
+        b, h, _, _ = self.keys.shape
+        return torch.ones(b, h, self.seen, dtype=torch.bool, device=self.keys.device)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this layer holds (their storages, not views)."""
+        if not self.is_initialized:
+            return 0
+        if self.store is None:
+            return storage_nbytes(self.keys, self.values)
+        extra = storage_nbytes(self.recent_queries, self.setup.position_offset)
+        return self.store.nbytes() + extra
+
+
+def _check_plan(plan: Plan, inputs: LayerInputs) -> None:
+    b, h, t, _ = inputs.keys.shape
+    if plan.keep.shape != (b, h, t) or plan.keep.dtype != torch.bool:
+        raise ValueError(
+            f"a plan's keep mask must be bool [{b}, {h}, {t}], got {tuple(plan.keep.shape)}"
+        )
+    if not 0 <= plan.full_width_from <= t:
+        raise ValueError(f"full_width_from must be in [0, {t}], got {plan.full_width_from}")
+    if (plan.keep & ~inputs.valid[:, None, :]).any():
+        raise ValueError("a plan must not keep padding tokens")

@@ -1,0 +1,173 @@
+"""Compressing again what a compressed layer holds.
+
+Two occasions: while decoding, once a layer exceeds its :class:`DecodeBudget`, everything held is
+scored from the recent queries and cut back to the budget; and after a segment is appended (a new
+chat turn, see :meth:`kvpatch.CompressedContext.extend`), the segment is scored and packed with
+the rest. Either way the channels chosen at the prefill stay, and the channel policy's
+full-width window stays at full width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch.cache.store import CompressedStore
+from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Policy
+
+#: queries kept per layer for decoding-time compression (SnapKV's default window)
+RECENT_QUERIES = 64
+
+
+@dataclass(frozen=True)
+class DecodeBudget:
+    """Keep a layer bounded while decoding: once its heads hold ``tokens + interval`` tokens on
+    average, the layer is compressed back to ``tokens`` per head (on average, for head-wise
+    budgets) with the same policy.
+
+    Channels chosen at the prefill stay; the policy's full-width window stays full width.
+    """
+
+    tokens: int
+    interval: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"decode budget {name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class LayerSetup:
+    """What a compressed layer remembers of its prefill to compress again later."""
+
+    policy: Policy
+    scaling: float
+    layer_idx: int
+    rotary: Callable | None
+    #: long ``[batch]``, left padding of each row (positions count real tokens only)
+    position_offset: torch.Tensor
+    decode_budget: DecodeBudget | None = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.position_offset = self.position_offset[rows]
+
+    def positions_of_last(self, end: int, count: int) -> torch.Tensor:
+        """Position ids ``[batch, count]`` of the last ``count`` of ``end`` logical tokens."""
+        logical = torch.arange(end - count, end, device=self.position_offset.device)
+        return (logical[None, :] - self.position_offset[:, None]).clamp(min=0)
+
+    def inputs(self, queries: torch.Tensor, end: int, **fields) -> LayerInputs:
+        """:class:`LayerInputs` for tensors ``fields`` scored by the last ``queries``."""
+        return LayerInputs(
+            queries=queries,
+            scaling=self.scaling,
+            layer_idx=self.layer_idx,
+            rotary=self.rotary,
+            query_positions=self.positions_of_last(end, queries.shape[2]),
+            **fields,
+        )
+
+    def full_width(self, store: CompressedStore) -> int:
+        """How many of the last tokens stay at full width: the channel policy's window, capped
+        by the tail (0 without pruned channels)."""
+        if store.packed.channels is None:
+            return 0
+        return min(self.policy.channels.window, store.tail_length)
+
+    def full_width_window(self, store: CompressedStore, tokens: int) -> torch.Tensor | None:
+        """``[batch, tokens]``: which of the last ``tokens`` must stay full width, and so are
+        always kept; None without pruned channels."""
+        width = self.full_width(store)
+        if not width:
+            return None
+        window = store.tail_valid.new_zeros(store.tail_valid.shape[0], tokens)
+        window[:, tokens - width :] = True
+        return window
+
+
+def token_policy_of(policy: Policy) -> Policy:
+    """The part of ``policy`` that evicts tokens (what re-compression runs)."""
+    if isinstance(policy, Composed):
+        return policy.tokens
+    if isinstance(policy, ChannelSelector):
+        raise ValueError(
+            f"decoding-time compression needs a token policy (snapkv, ada-snapkv, ...); "
+            f"{policy.name!r} only prunes channels"
+        )
+    return policy
+
+
+def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
+    if token_policy_of(policy).needs_replay:
+        raise ValueError(
+            f"{policy.name!r} scores tokens from a reconstruction of the prefilled context and "
+            "cannot compress while decoding; drop decode_budget or use a policy that scores "
+            "from queries (snapkv, tova, ...)"
+        )
+    if budget.tokens < policy.protected_tokens:
+        raise ValueError(
+            f"decode_budget={budget.tokens} is smaller than the {policy.protected_tokens} tokens "
+            f"that {policy.name!r} always keeps (its window or sinks); use a larger budget"
+        )
+
+
+def recent(previous: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor:
+    """The last :data:`RECENT_QUERIES` of ``previous`` followed by ``queries`` (a copy, so that
+    the model's query tensor is not kept alive)."""
+    if previous is not None:
+        queries = torch.cat([previous, queries], dim=-2)
+    return queries[..., -RECENT_QUERIES:, :].clone()
+
+
+def over_decode_budget(store: CompressedStore, budget: DecodeBudget | None) -> bool:
+    if budget is None:
+        return False
+    # average over heads: head-wise budgets (AdaKV) share the layer's total unevenly
+    per_head = store.packed.lengths.float().mean(-1).max() + store.tail_length
+    return bool(per_head >= budget.tokens + budget.interval)
+
+
+def compress_to_budget(
+    store: CompressedStore, setup: LayerSetup, queries: torch.Tensor
+) -> CompressedStore:
+    """Everything held, cut back to the decode budget by the policy scoring with ``queries``."""
+    keys, values = store.dense()
+    valid = store.slot_valid()
+    inputs = setup.inputs(
+        queries, store.end, keys=keys, values=values, valid=valid,
+        keep_tokens=setup.decode_budget.tokens,
+    )  # fmt: skip
+    must_keep = setup.full_width_window(store, keys.shape[2])
+    keep = token_policy_of(setup.policy).plan(inputs, must_keep=must_keep).keep
+    return store.repacked(keep & valid, setup.full_width(store), (keys, values))
+
+
+def segment_inputs(
+    store: CompressedStore,
+    setup: LayerSetup,
+    queries: torch.Tensor,
+    replay_attention: torch.Tensor | None,
+) -> LayerInputs:
+    """The tail (tokens held at full width since the last compression) as a policy sees it,
+    with the ``queries`` recorded while it was appended."""
+    keys, values = store.tail()
+    return setup.inputs(
+        queries, store.end, keys=keys, values=values, valid=store.tail_valid,
+        replay_attention=replay_attention,
+    )  # fmt: skip
+
+
+def compress_segment(
+    store: CompressedStore, setup: LayerSetup, keep: torch.Tensor
+) -> CompressedStore:
+    """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail, and everything
+    compressed before; the last tokens of a channel policy's window stay full width."""
+    valid = store.slot_valid()
+    packed = store.packed.max_length
+    keep = torch.cat([valid[..., :packed], keep & valid[..., packed:]], dim=-1)
+    return store.repacked(keep, setup.full_width(store))
+

@@ -1,0 +1,97 @@
+"""What a cache holds, in numbers: :meth:`CompressedDynamicCache.stats`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpatch import compat
+from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.packed import storage_nbytes
+
+
+@dataclass
+class LayerStats:
+    """One layer.
+
+    Attributes
+    ----------
+    compressed : whether a policy's choice is in force (False for sliding-window layers, layers
+        not prefilled yet, and layers with nothing to compress).
+    seen : tokens the layer has seen (its logical length).
+    held : long ``[batch, kv_heads]``, tokens each head holds; None before the first update.
+    kept : bool ``[batch, kv_heads, seen]``, which of the seen positions each head holds; None
+        for layers kvpatch does not manage (a sliding window holds the last tokens).
+    nbytes : bytes of every tensor the layer holds (storages, spare capacity included).
+    full_nbytes : bytes a ``DynamicCache`` layer would hold for the same tokens.
+    """
+
+    compressed: bool
+    seen: int
+    held: torch.Tensor | None
+    kept: torch.Tensor | None
+    nbytes: int
+    full_nbytes: int
+
+
+@dataclass
+class CacheStats:
+    """Every layer of a cache, and the totals."""
+
+    layers: list[LayerStats]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def full_nbytes(self) -> int:
+        return sum(layer.full_nbytes for layer in self.layers)
+
+    @property
+    def ratio(self) -> float:
+        """Fraction of the uncompressed cache's bytes saved (negative if it holds more)."""
+        return 1.0 - self.nbytes / self.full_nbytes if self.full_nbytes else 0.0
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return (
+            f"KV cache: {self.nbytes / mib:.2f} MiB held, {self.full_nbytes / mib:.2f} MiB "
+            f"uncompressed ({self.ratio:.1%} saved)"
+        )
+
+
+def layer_stats(layer) -> LayerStats:
+    if isinstance(layer, CompressedLayer):
+        return _compressed_layer_stats(layer)
+    if not compat.layer_is_initialized(layer):
+        return LayerStats(False, 0, None, None, 0, 0)
+    b, h, held, _ = layer.keys.shape
+    nbytes = storage_nbytes(layer.keys, layer.values)
+    count = torch.full((b, h), held, dtype=torch.long, device=layer.keys.device)
+    seen = layer.get_seq_length()
+    return LayerStats(False, seen, count, None, nbytes, nbytes)
+
+
+def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
+    if not layer.is_initialized:
+        return LayerStats(False, 0, None, None, 0, 0)
+    b, h = layer.keys.shape[:2]
+    key_dim = layer.packed.head_dim if layer.is_compressed else layer.keys.shape[-1]
+    element = layer.keys.element_size()
+    full = b * h * layer.seen * (key_dim + layer.values.shape[-1]) * element
+    return LayerStats(
+        compressed=layer.is_compressed,
+        seen=layer.seen,
+        held=layer.physical_lengths(),
+        kept=layer.kept_mask(),
+        nbytes=layer.nbytes(),
+        full_nbytes=full,
+    )
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of the tensors any transformers cache holds (storages): a kvpatch cache or a stock
+    one, for comparisons."""
+    return sum(layer_stats(layer).nbytes for layer in cache.layers)

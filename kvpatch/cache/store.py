@@ -1,0 +1,185 @@
+"""How a compressed layer holds its tokens: a packed part and a dense, full-width tail.
+
+The packed part (:class:`~kvpatch.cache.packed.PackedKV`) is what a policy kept of the tokens
+before ``tail_start``: variable-length heads, channel-pruned keys. The tail is every token from
+``tail_start`` on at full width: a channel policy's recent window, then each token appended
+since. Tail tokens live in a :class:`~kvpatch.cache.buffer.GrowingBuffer`, so that appending a
+decoded token copies that token only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpatch.cache.buffer import GrowingBuffer
+from kvpatch.cache.packed import PackedKV, storage_nbytes
+
+
+class CompressedStore:
+    """The tokens one compressed layer holds.
+
+    Heads of equal length without pruned channels need no packing: their tokens go, dense, at
+    the front of the tail's buffer, so that the attention view costs no copy.
+
+    Parameters
+    ----------
+    packed : what the policy kept of the tokens before ``tail_start``.
+    tail_keys, tail_values : ``[batch, kv_heads, tail, dim]``, the tokens from ``tail_start`` on.
+    tail_start : logical position of the first tail token.
+    tail_valid : bool ``[batch, tail]``, False for padding.
+    """
+
+    def __init__(
+        self,
+        packed: PackedKV,
+        tail_keys: torch.Tensor,
+        tail_values: torch.Tensor,
+        tail_start: int,
+        tail_valid: torch.Tensor,
+    ):
+        b, h = packed.lengths.shape
+        self.key_norm_bound = packed.max_key_norms()  # [batch, kv_heads], for fake keys
+        if packed.is_uniform and packed.channels is None:
+            length = packed.max_length
+            dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
+            dense_values = packed.values.view(b, h, length, packed.values.shape[-1])
+            tail_keys = torch.cat([dense_keys, tail_keys], dim=-2)
+            tail_values = torch.cat([dense_values, tail_values], dim=-2)
+            packed = packed.without_data()
+        self.packed = packed
+        self.keys = GrowingBuffer(tail_keys.contiguous().clone())
+        self.values = GrowingBuffer(tail_values.contiguous().clone())
+        self.tail_start = tail_start
+        self.tail_valid = tail_valid.clone()
+        self._bound_key_norms(self.keys.view())
+
+    # -- lengths -------------------------------------------------------------------------------
+
+    @property
+    def tail_length(self) -> int:
+        return self.tail_valid.shape[-1]
+
+    @property
+    def end(self) -> int:
+        """Logical length: every token seen, kept or not."""
+        return self.tail_start + self.tail_length
+
+    def physical_lengths(self) -> torch.Tensor:
+        """Tokens held per (batch row, KV head)."""
+        return self.packed.lengths + self.tail_length
+
+    def kept_positions(self, row: int, head: int) -> torch.Tensor:
+        """Logical positions of the tokens held by one head, in order."""
+        tail = torch.arange(self.tail_start, self.end, device=self.tail_valid.device)
+        return torch.cat([self.packed.kept[row, head].nonzero().flatten(), tail])
+
+    def kept_mask(self) -> torch.Tensor:
+        """Bool ``[batch, kv_heads, end]``: which logical positions each head holds."""
+        b, h, start = self.packed.kept.shape
+        mask = self.packed.kept.new_zeros(b, h, self.end)
+        mask[..., :start] = self.packed.kept
+        mask[..., self.tail_start :] = True
+        return mask
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys.append(keys)
+        self.values.append(values)
+        valid = self.tail_valid.new_ones(keys.shape[0], keys.shape[-2])
+        self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
+        self._bound_key_norms(keys)
+
+    def truncate_tail(self, remove: int) -> None:
+        """Forget the last ``remove`` tail tokens."""
+        if remove > self.tail_length:
+            raise ValueError(
+                f"cannot crop {remove} tokens: only the {self.tail_length} tokens after the "
+                "compressed part of the cache can be removed"
+            )
+        for block in (self.keys, self.values):
+            block.truncate(block.length - remove)
+        self.tail_valid = self.tail_valid[:, : self.tail_length - remove]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (reordered, repeated or a subset), e.g. for beam search."""
+        self.keys.select_rows(rows)
+        self.values.select_rows(rows)
+        self.packed = self.packed.select_rows(rows)
+        self.key_norm_bound = self.key_norm_bound[rows]
+        self.tail_valid = self.tail_valid[rows]
+
+    def to(self, device: torch.device | str) -> None:
+        self.keys.to(device)
+        self.values.to(device)
+        self.packed = self.packed.to(device)
+
+    def repacked(
+        self,
+        keep: torch.Tensor,
+        full_width: int,
+        dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> CompressedStore:
+        """A new store holding the ``keep`` slots ``[batch, kv_heads, slots]`` of :meth:`dense`
+        (pass it if already built); the last ``full_width`` tokens (a channel policy's window)
+        become the tail."""
+        keys, values = dense if dense is not None else self.dense()
+        b, h, slots, _ = keys.shape
+        cut = slots - full_width
+        keep = keep[..., :cut]
+        tail_start = self.end - full_width
+        record = torch.zeros(b, h, tail_start, dtype=torch.int8, device=keys.device)
+        record.scatter_add_(-1, self.slot_positions()[..., :cut], keep.to(torch.int8))
+        packed = PackedKV.pack(
+            keys[..., :cut, :], values[..., :cut, :], keep, self.packed.channels, record > 0
+        )
+        tail_valid = self.tail_valid[:, self.tail_length - full_width :]
+        return CompressedStore(
+            packed, keys[..., cut:, :], values[..., cut:, :], tail_start, tail_valid
+        )
+
+    def _bound_key_norms(self, keys: torch.Tensor) -> None:
+        if keys.shape[-2]:
+            norms = keys.float().norm(dim=-1).amax(dim=-1)
+            self.key_norm_bound = torch.maximum(self.key_norm_bound, norms)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail's keys and values, views of the buffers."""
+        keys, values = self.keys.view(), self.values.view()
+        start = keys.shape[-2] - self.tail_length
+        return keys[..., start:, :], values[..., start:, :]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed tokens (padded per head, pruned channels as zeros) followed by the tail; a view,
+        not a copy, when the packed tokens are stored dense."""
+        if self.packed.keys is None:
+            return self.keys.view(), self.values.view()
+        tail_keys, tail_values = self.tail()
+        b, h = self.packed.lengths.shape
+        length, tail = self.packed.max_length, self.tail_length
+        keys = tail_keys.new_empty(b, h, length + tail, self.packed.head_dim)
+        values = tail_values.new_empty(b, h, length + tail, tail_values.shape[-1])
+        self.packed.write_into(keys, values)
+        keys[:, :, length:] = tail_keys
+        values[:, :, length:] = tail_values
+        return keys, values
+
+    def slot_valid(self) -> torch.Tensor:
+        """Bool ``[batch, kv_heads, slots]``: which slots of :meth:`dense` are real tokens."""
+        b, h = self.packed.lengths.shape
+        packed_slots = torch.arange(self.packed.max_length, device=self.tail_valid.device)
+        tail_valid = self.tail_valid[:, None, :].expand(b, h, -1)
+        return torch.cat([packed_slots < self.packed.lengths[..., None], tail_valid], dim=-1)
+
+    def slot_positions(self) -> torch.Tensor:
+        """Logical position of each slot of :meth:`dense`, ``[batch, kv_heads, slots]``."""
+        b, h = self.packed.lengths.shape
+        tail = torch.arange(self.tail_start, self.end, device=self.tail_valid.device)
+        return torch.cat([self.packed.positions(), tail.expand(b, h, -1)], -1)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held (storages, spare capacity included)."""
+        tensors = (self.keys.data, self.values.data, self.key_norm_bound, self.tail_valid)
+        return storage_nbytes(*tensors) + self.packed.nbytes()
