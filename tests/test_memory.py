@@ -38,8 +38,9 @@ def held_bytes(obj, seen=None, visited=None) -> int:
 
 
 def _may_hold_tensors(value) -> bool:
-    owned = type(value).__module__.startswith("kvpatch.")
-    return isinstance(value, (torch.Tensor, list, tuple)) or owned or dataclasses.is_dataclass(value)
+    if isinstance(value, (torch.Tensor, list, tuple)) or dataclasses.is_dataclass(value):
+        return True
+    return type(value).__module__.startswith("kvpatch.")
 
 
 def prefill(model, cache):
