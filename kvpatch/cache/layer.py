@@ -224,9 +224,7 @@ class CompressedLayer(DynamicLayer):
 
     def _append_compressed(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if recompress.over_decode_budget(self.store, self.setup.decode_budget):
-            self.store = recompress.compress_to_budget(
-                self.store, self.setup, self.recent_queries
-            )
+            self.store = recompress.compress_to_budget(self.store, self.setup, self.recent_queries)
         self.store.append(key_states, value_states)
         self._expose_tail()
         return self._dense_view()

@@ -170,4 +170,3 @@ def compress_segment(
     packed = store.packed.max_length
     keep = torch.cat([valid[..., :packed], keep & valid[..., packed:]], dim=-1)
     return store.repacked(keep, setup.full_width(store))
-
