@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from kvpatch.policies.base import Plan
+from kvpatch.policies.contract import Plan
 
 #: on CPU, up to this many (batch row, KV head) pairs, the padded layout is written with one slice
 #: copy per head (memory-copy speed); beyond, and on accelerators (where each copy is a kernel

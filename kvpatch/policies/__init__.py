@@ -14,15 +14,8 @@ from __future__ import annotations
 import difflib
 
 from kvpatch.policies.adakv import AdaKV
-from kvpatch.policies.base import (
-    ChannelSelector,
-    LayerInputs,
-    Plan,
-    Policy,
-    TokenScorer,
-    check_ratio,
-)
-from kvpatch.policies.compose import Composed, compose
+from kvpatch.policies.base import ChannelSelector, Composed, Policy, TokenScorer, compose
+from kvpatch.policies.contract import LayerInputs, Plan, check_ratio
 from kvpatch.policies.expected_attention import ExpectedAttention
 from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch.policies.base import (
+from kvpatch.policies.base import Policy, TokenScorer, WrapsScorer
+from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
-    Policy,
-    TokenScorer,
-    WrapsScorer,
     budget_per_head,
     scores_with_rules,
     select_top,

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+from kvpatch.policies.base import TokenScorer
+from kvpatch.policies.contract import LayerInputs, check_ratio
 
 
 @dataclass

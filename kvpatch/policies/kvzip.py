@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+from kvpatch.policies.base import TokenScorer
+from kvpatch.policies.contract import LayerInputs, check_ratio
 
 #: how KVzip asks the model to reconstruct the context: the first chunk, then the later ones,
 #: which are followed by the last tokens of the chunk before them

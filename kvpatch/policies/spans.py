@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpatch.policies.base import LayerInputs, TokenScorer, WrapsScorer
+from kvpatch.policies.base import TokenScorer, WrapsScorer
+from kvpatch.policies.contract import LayerInputs
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.tova import TOVA
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch.policies.base import LayerInputs, TokenScorer, check_ratio
+from kvpatch.policies.base import TokenScorer
+from kvpatch.policies.contract import LayerInputs, check_ratio
 
 
 @dataclass

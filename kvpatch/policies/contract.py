@@ -1,0 +1,164 @@
+"""The contract between a compression policy and the cache, and the selection rules every policy
+shares.
+
+At the end of a layer's prefill the cache hands the policy a :class:`LayerInputs` (the layer's real
+queries, keys and values) and gets back a :class:`Plan`: which tokens every (batch row, KV head)
+keeps and which key channels are stored for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def check_ratio(ratio: float, name: str = "ratio") -> None:
+    """Reject a compression ratio outside [0, 1) with an error that says what is allowed."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio):
+        raise ValueError(f"{name} must be a number in [0, 1), got {ratio!r}")
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (the fraction removed), got {ratio}")
+
+
+@dataclass
+class LayerInputs:
+    """One layer's cache content, as the policy sees it: the prefill, or (when the cache is
+    compressed again while decoding) the tokens it holds.
+
+    Attributes
+    ----------
+    queries : Tensor ``[batch, q_heads, n_queries, head_dim]``, after RoPE and any q-norm: the
+        queries of the last ``n_queries`` tokens (every token at prefill, a recent window while
+        decoding).
+    keys : Tensor ``[batch, kv_heads, tokens, head_dim]``, after RoPE and any k-norm.
+    values : Tensor ``[batch, kv_heads, tokens, v_head_dim]``.
+    valid : bool Tensor ``[batch, tokens]`` or ``[batch, kv_heads, tokens]``, False where there
+        is no real token (padding).
+    scaling : the softmax scale the model uses for this layer.
+    layer_idx : index of the layer in the model.
+    keep_tokens : if set, the number of tokens each head keeps, instead of the ratio's share.
+    rotary : the model's rotary embedding as ``positions [n] -> (cos, sin)``, each ``[n,
+        head_dim]`` (rotate-half convention), or None for a model without one.
+    query_positions : long Tensor ``[batch, n_queries]``, the position ids of the queries
+        (every real token counted from 0); None at prefill, where they follow from ``valid``.
+    replay_attention : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token got
+        from the queries of a context reconstruction (:mod:`kvpatch.replay`), when the policy
+        asked for one.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    scaling: float
+    layer_idx: int = 0
+    keep_tokens: int | None = None
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    query_positions: torch.Tensor | None = None
+    replay_attention: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    @property
+    def head_valid(self) -> torch.Tensor:
+        """``valid`` as ``[batch, kv_heads, tokens]``."""
+        if self.valid.dim() == 3:
+            return self.valid
+        return self.valid[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def positions_of_queries(self) -> torch.Tensor:
+        """Position ids of the queries, ``[batch, n_queries]`` (padding queries get 0)."""
+        if self.query_positions is not None:
+            return self.query_positions
+        valid = self.valid if self.valid.dim() == 2 else self.valid.any(1)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        return positions[:, -self.queries.shape[2] :]
+
+    def grouped_queries(self) -> torch.Tensor:
+        """Queries as ``[batch, kv_heads, group_size, n_queries, head_dim]``."""
+        b, _, n, d = self.queries.shape
+        return self.queries.view(b, self.keys.shape[1], self.group_size, n, d)
+
+    def window_attention(self, window: int) -> torch.Tensor:
+        """Softmax attention of the last ``window`` queries over all keys, fp32.
+
+        Returns ``[batch, kv_heads, group_size, window, tokens]`` (``window`` capped by the
+        queries available); causal inside the window, padding keys get zero weight.
+        """
+        t = self.num_tokens
+        window = min(window, t, self.queries.shape[2])
+        q = self.grouped_queries()[..., -window:, :].float()
+        scores = torch.einsum("bhgwd,bhtd->bhgwt", q, self.keys.float()) * self.scaling
+        query_pos = torch.arange(t - window, t, device=q.device)
+        key_pos = torch.arange(t, device=q.device)
+        visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
+        visible = visible & self.head_valid[:, :, None, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return scores.softmax(dim=-1).nan_to_num(0.0)
+
+
+@dataclass
+class Plan:
+    """What one layer keeps.
+
+    Attributes
+    ----------
+    keep : bool Tensor ``[batch, kv_heads, tokens]``; each (row, head) may keep a different number.
+    channels : long Tensor ``[batch, kv_heads, kept_channels]`` (sorted) or None for all channels.
+        Applies to kept tokens before ``full_width_from``.
+    full_width_from : tokens at or after this position keep every channel; every head keeps them.
+    """
+
+    keep: torch.Tensor
+    channels: torch.Tensor | None
+    full_width_from: int
+
+
+def kept_count(inputs: LayerInputs, ratio: float) -> torch.Tensor:
+    """Tokens each head keeps, ``[batch, kv_heads]``: its real tokens minus the fraction
+    ``ratio`` (or ``inputs.keep_tokens``), at least 1."""
+    n = inputs.head_valid.sum(-1)
+    if inputs.keep_tokens is not None:
+        return n.clamp(max=inputs.keep_tokens)
+    # float64 and a tiny epsilon: 300 * 0.21 must remove 63 tokens, not 62.99999 -> 62
+    removed = torch.floor(n.double() * ratio + 1e-9).long()
+    return (n - removed).clamp(min=1).minimum(n)
+
+
+def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the ``count`` highest scores along the last dim.
+
+    ``count`` has the shape of ``scores`` without its last dim, or a prefix of it (broadcast).
+    """
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(scores.shape[-1], device=scores.device)
+    count = count.reshape(*count.shape, *([1] * (scores.dim() - count.dim())))
+    chosen = (ranks < count).expand_as(scores)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)
+
+
+def scores_with_rules(
+    scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None
+) -> torch.Tensor:
+    """Apply the rules every token policy shares: padding is never kept, ``must_keep`` always is."""
+    scores = scores.float()
+    if must_keep is not None:
+        scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
+    return scores.masked_fill(~inputs.head_valid, float("-inf"))
+
+
+def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:
+    """Tokens per head ``[batch, kv_heads]``: the ratio's budget, raised to cover every token
+    that must be kept."""
+    protected = torch.isinf(scores) & (scores > 0)
+    return torch.maximum(kept_count(inputs, ratio), protected.sum(-1))
