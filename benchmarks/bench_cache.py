@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from kvpatch.cache import cache_nbytes
+
 POLICIES = [
     "snapkv:0.5",
     "snapkv:0.75",
@@ -33,10 +35,10 @@ FULL = "full"
 
 
 def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """An attention-bound random Llama: 8 layers, 8 query heads sharing 2 KV heads."""
+    from kvpatch.testing import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return tiny_model(
         vocab_size=4096,
         hidden_size=512,
         intermediate_size=1024,
@@ -45,21 +47,7 @@ def build_model():
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=32768,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")
-    return model
-
-
-def cache_bytes(cache) -> int:
-    """Bytes of the cache's storages: ``nbytes()`` of a kvpatch cache, else keys + values."""
-    if hasattr(cache, "nbytes"):  # kvpatch's; the kvpress environment has no kvpatch to import
-        return cache.nbytes()
-    return sum(
-        layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
-        for layer in cache.layers
+        pad_token_id=None,
     )
 
 
@@ -81,7 +69,7 @@ def timed_run(
         with prefill_context or contextlib.nullcontext():
             out = model(ids, **{cache_argument: cache})
         prefill = time.perf_counter() - start
-        held = cache_bytes(cache)
+        held = cache_nbytes(cache)
         for _ in range(decode_tokens):
             token = out.logits[:, -1:].argmax(-1)
             start = time.perf_counter()

@@ -1,10 +1,11 @@
 """The same measurements as bench_cache.py, for kvpress's presses (https://github.com/NVIDIA/kvpress).
 
-kvpress needs transformers < 5.3, so run this from its own virtualenv and compare its ratios
-(against DynamicCache in that same environment) with bench_cache.py's:
+kvpress needs transformers < 5.3, so run this from its own virtualenv (kvpatch is installed there
+too, for the shared model factory) and compare its ratios (against DynamicCache in that same
+environment) with bench_cache.py's:
 
     python -m venv /tmp/kvpress-env
-    /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress
+    /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress -e .
     /tmp/kvpress-env/bin/python benchmarks/bench_kvpress.py --contexts 8192
 """
 

@@ -23,9 +23,8 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import cache_bytes
-
 from kvpatch import demo
+from kvpatch.cache import cache_nbytes
 from kvpatch.eval.tasks import HFCodec, make_samples
 
 
@@ -46,7 +45,7 @@ def answer(model, ids: torch.Tensor, press, new_tokens: int, eos: int | None):
     cache = DynamicCache(config=model.config)
     with press(model):
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
-    size = cache_bytes(cache) / 2**20
+    size = cache_nbytes(cache) / 2**20
     tokens = [int(logits[0, -1].argmax())]
     position = ids.shape[1]
     while len(tokens) < new_tokens and tokens[-1] != eos:

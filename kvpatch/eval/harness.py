@@ -23,6 +23,7 @@ from kvpatch import compat, replay
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer, cache_nbytes
 from kvpatch.eval.tasks import TASKS, ByteCodec, Codec, HFCodec, Sample, make_samples
 from kvpatch.policies import LayerInputs, Plan, Policy
+from kvpatch.testing import tiny_model
 
 DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "think:0.5+snapkv")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.9)
@@ -75,35 +76,18 @@ def with_ratio(policy: str, ratio: float) -> str:
 # -- models --------------------------------------------------------------------------------------
 
 
-def tiny_model(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
-    """A small random Llama (byte vocabulary) and its codec: for tests, no download."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model, ByteCodec()
-
-
 def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
     """``(model, codec)`` for ``demo`` (the embedded SmolLM2), ``tiny`` (random), or a local
     checkpoint directory."""
     torch_dtype = getattr(torch, dtype)
     if name == "tiny":
-        return tiny_model(attn_implementation, torch_dtype)
+        model = tiny_model(
+            attn_implementation=attn_implementation,
+            dtype=torch_dtype,
+            head_dim=16,
+            max_position_embeddings=8192,
+        )
+        return model, ByteCodec()
     if name == "demo":
         from kvpatch import demo
 

@@ -1,0 +1,110 @@
+"""Tiny random decoder models built from configs, for tests, benchmarks and the eval harness.
+
+Nothing is downloaded: every model here is a transformers class with random weights. The default
+is small enough for a unit test (2 layers, 4 query heads sharing 2 KV heads, head_dim 32); pass
+config fields to make it larger, e.g. ``tiny_model(num_hidden_layers=8, hidden_size=512)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpatch import compat
+
+VOCAB = 256
+
+#: config fields shared by every family (a byte-sized vocabulary, GQA with groups of 2)
+DEFAULTS = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+#: what each family adds to the defaults: Gemma's sliding layers, Mistral without a window
+FAMILY_FIELDS = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 64,
+    },
+    "gemma3": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 64,
+    },
+}
+
+FAMILIES = tuple(FAMILY_FIELDS)
+
+
+def _classes(family: str):
+    import transformers
+
+    names = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    }
+    config, model = names[family]
+    return getattr(transformers, config), getattr(transformers, model)
+
+
+def tiny_config(family: str = "llama", **fields):
+    """The config of a tiny ``family`` model; ``fields`` override the defaults."""
+    if family not in FAMILY_FIELDS:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    config_class, _ = _classes(family)
+    return config_class(**{**DEFAULTS, **FAMILY_FIELDS[family], **fields})
+
+
+def tiny_model(
+    family: str = "llama",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    key_scale: float = 1.0,
+    **fields,
+) -> torch.nn.Module:
+    """A tiny random model in eval mode.
+
+    Parameters
+    ----------
+    family : one of :data:`FAMILIES`.
+    attn_implementation : the stock attention backend.
+    seed : seeds the random weights.
+    key_scale : multiplies every key projection. Random weights give nearly flat attention;
+        sharper keys (e.g. 4) make the choice of what to evict matter, as in a trained model.
+    fields : config fields overriding :data:`DEFAULTS`.
+    """
+    config = tiny_config(family, **fields)
+    _, model_class = _classes(family)
+    torch.manual_seed(seed)
+    model = model_class(config).to(dtype).eval()
+    compat.set_attention_implementation(model, attn_implementation)
+    if key_scale != 1.0:
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "k_proj"):
+                    module.k_proj.weight.mul_(key_scale)
+    return model
+
+
+def random_prompt(length: int, batch: int = 1, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
+    """Random token ids ``[batch, length]`` (no 0, the padding id)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=generator)
