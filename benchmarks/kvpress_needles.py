@@ -25,7 +25,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).parent))
 from kvpatch import demo
 from kvpatch.cache import cache_nbytes
-from kvpatch.eval.tasks import HFCodec, make_samples
+from kvpatch.eval import HFCodec, make_samples
 
 
 def presses(ratio: float) -> dict:

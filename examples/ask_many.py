@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import demo
-from kvpatch.eval.tasks import HFCodec, make_chat, make_context
+from kvpatch.eval import HFCodec, make_chat, make_context
 
 
 def full_cache_bytes(model, ids) -> int:

@@ -60,8 +60,7 @@ def real_model(args) -> bool:
     import random
 
     from kvpatch import demo
-    from kvpatch.eval.harness import answer
-    from kvpatch.eval.tasks import HFCodec, make_sample
+    from kvpatch.eval import HFCodec, answer, make_sample
 
     try:
         model, tokenizer = demo.load(download=not args.no_download)

@@ -5,7 +5,7 @@
 >>> model.generate(**inputs)
 """
 
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.cache import CacheStats, CompressedDynamicCache, CompressedLayer, cache_nbytes
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.policies import (
@@ -27,12 +27,14 @@ from kvpatch.policies import (
     parse_policy,
     policy_names,
 )
+from kvpatch.shared_prefill import SharedPrefill
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TOVA",
     "AdaKV",
+    "CacheStats",
     "CompressedContext",
     "CompressedDynamicCache",
     "CompressedLayer",
@@ -43,12 +45,14 @@ __all__ = [
     "Knorm",
     "Policy",
     "RandomScorer",
+    "SharedPrefill",
     "SnapKV",
     "SpanSnapKV",
     "SpanTOVA",
     "Spans",
     "StreamingLLM",
     "ThinK",
+    "cache_nbytes",
     "disable",
     "enable",
     "enabled",

@@ -36,12 +36,14 @@ class CompressedContext:
     input_ids : ``[batch, context_tokens]`` context token ids.
     attention_mask : ``[batch, context_tokens]`` padding mask (1 for real tokens).
     cache : the compressed cache after the context; never modified by :meth:`generate`.
+    logits : ``[batch, 1, vocab]``, the model's logits after the context's last token.
     """
 
     model: torch.nn.Module
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     cache: CompressedDynamicCache
+    logits: torch.Tensor | None = None
 
     def copy_cache(self) -> CompressedDynamicCache:
         """An independent copy of the compressed cache, to continue from."""
@@ -58,8 +60,9 @@ class CompressedContext:
         cache = self.copy_cache()
         input_ids = torch.cat([self.input_ids, ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(ids)], dim=-1)
-        compress_appended(self.model, cache, input_ids, mask, self.input_ids.shape[1], tokenizer)
-        return CompressedContext(self.model, input_ids, mask, cache)
+        start = self.input_ids.shape[1]
+        logits = compress_appended(self.model, cache, input_ids, mask, start, tokenizer)
+        return CompressedContext(self.model, input_ids, mask, cache, logits)
 
     def _as_batch(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() == 1:
@@ -114,8 +117,8 @@ def prefill(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
-    prefill_into(model, cache, input_ids, attention_mask, tokenizer)
-    return CompressedContext(model, input_ids, attention_mask, cache)
+    logits = prefill_into(model, cache, input_ids, attention_mask, tokenizer)
+    return CompressedContext(model, input_ids, attention_mask, cache, logits)
 
 
 @torch.no_grad()
@@ -126,9 +129,10 @@ def compress_appended(
     attention_mask: torch.Tensor,
     start: int,
     tokenizer=None,
-) -> None:
+) -> torch.Tensor:
     """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``), then
-    compress each layer's tail, these tokens included, with the layer's own policy."""
+    compress each layer's tail, these tokens included, with the layer's own policy. Returns the
+    logits after the last token."""
     layers = [layer for layer in cache.compressed_layers if layer.is_compressed]
     for layer in layers:
         layer.capture_queries = True
@@ -136,19 +140,19 @@ def compress_appended(
     new = input_ids[:, start:]
     positions = lengths + torch.arange(new.shape[1], device=new.device)
     try:
-        model(
+        logits = model(
             new,
             attention_mask=attention_mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
             **{compat.cache_argument(model): cache},
-        )
+        ).logits
     finally:
         for layer in layers:
             layer.capture_queries = False
     if not layers:
-        return
+        return logits
     policy = layers[0].policy
     if token_policy_of(policy).needs_replay:
         tail_start = layers[0].tail_start
@@ -162,3 +166,4 @@ def compress_appended(
     plans = token_policy_of(policy).plan_layers(inputs, windows)
     for layer, plan in zip(layers, plans, strict=True):
         layer.compress_segment(plan.keep)
+    return logits

@@ -8,10 +8,18 @@ import random
 
 import pytest
 
-from kvpatch.eval import EvalConfig, make_sample, run_eval, with_ratio
+from kvpatch.eval import (
+    TASKS,
+    ByteCodec,
+    EvalConfig,
+    make_context,
+    make_sample,
+    make_samples,
+    run_eval,
+    summarize,
+    with_ratio,
+)
 from kvpatch.eval.cli import main
-from kvpatch.eval.harness import summarize
-from kvpatch.eval.tasks import TASKS, ByteCodec, make_context, make_samples
 
 
 def test_tasks_hide_their_answers_where_they_say():

@@ -28,7 +28,7 @@ def real_model():
 
 @pytest.fixture(scope="module")
 def needles(real_model):
-    from kvpatch.eval.tasks import HFCodec, make_sample
+    from kvpatch.eval import HFCodec, make_sample
 
     codec = HFCodec(real_model[1])
     rng = random.Random(0)
@@ -36,7 +36,7 @@ def needles(real_model):
 
 
 def answers(model, samples, policy):
-    from kvpatch.eval.harness import answer
+    from kvpatch.eval import answer
 
     if policy is None:
         return [answer(model, sample, None, "prefill", 12)["tokens"] for sample in samples]
@@ -66,7 +66,7 @@ def test_snapkv_finds_the_needle(real_model, needles):
 def test_needle_survives_question_agnostic_kvzip(real_model, needles, policy):
     """The context compressed before the question is seen (``kvpatch.prefill``), KVzip's
     reconstruction deciding what stays, still answers every needle exactly."""
-    from kvpatch.eval.harness import answer
+    from kvpatch.eval import answer
 
     model, tokenizer = real_model
     codec, samples = needles

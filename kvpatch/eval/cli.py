@@ -6,15 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpatch.eval.harness import (
-    DEFAULT_POLICIES,
-    DEFAULT_RATIOS,
-    MODES,
-    EvalConfig,
-    format_accuracy_grid,
-    format_table,
-    run_eval,
-)
+from kvpatch.eval.config import DEFAULT_POLICIES, DEFAULT_RATIOS, MODES, EvalConfig
+from kvpatch.eval.report import format_accuracy_grid, format_table
+from kvpatch.eval.run import run_eval
 from kvpatch.eval.tasks import TASKS
 
 

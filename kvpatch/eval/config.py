@@ -1,0 +1,85 @@
+"""What an evaluation runs: :class:`EvalConfig`, and the model it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import kvpatch
+from kvpatch.eval.codecs import ByteCodec, HFCodec
+from kvpatch.eval.tasks import TASKS
+from kvpatch.testing import tiny_model
+
+DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "think:0.5+snapkv")
+DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.9)
+#: ``prefill``: the question is in the prefill; ``agnostic``: the context is compressed first
+MODES = ("prefill", "agnostic")
+FULL = "full"
+
+
+@dataclass
+class EvalConfig:
+    """What to run. ``policies`` are policy strings; a term without ``:RATIO`` gets each ratio of
+    ``ratios`` (``think:0.5+snapkv`` sweeps the SnapKV ratio, ThinK stays at 0.5)."""
+
+    policies: list[str] = field(default_factory=lambda: list(DEFAULT_POLICIES))
+    ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
+    tasks: list[str] = field(default_factory=lambda: ["single"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    context_tokens: int = 2000
+    samples: int = 20
+    seed: int = 0
+    model: str = "demo"
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"
+    digits: int = 6
+    output: str = "kvpatch-eval"
+    plot: bool = True
+    progress: bool = True
+    #: one exact prefill per sample, every policy's cache compressed from its recorded queries,
+    #: keys and values (much faster; the same decisions); False: one prefill per run
+    shared_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+        for mode in self.modes:
+            if mode not in MODES:
+                raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        for policy in self.policies:
+            for ratio in self.ratios:
+                kvpatch.parse_policy(with_ratio(policy, ratio))  # fail early on a typo
+
+
+def with_ratio(policy: str, ratio: float) -> str:
+    """``policy`` with ``ratio`` given to every term that has none."""
+    terms = [t.strip() for t in policy.split("+")]
+    return "+".join(t if ":" in t else f"{t}:{ratio:g}" for t in terms)
+
+
+def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
+    """``(model, codec)`` for ``demo`` (the embedded SmolLM2), ``tiny`` (random), or a local
+    checkpoint directory."""
+    torch_dtype = getattr(torch, dtype)
+    if name == "tiny":
+        model = tiny_model(
+            attn_implementation=attn_implementation,
+            dtype=torch_dtype,
+            head_dim=16,
+            max_position_embeddings=8192,
+        )
+        return model, ByteCodec()
+    if name == "demo":
+        from kvpatch import demo
+
+        model, tokenizer = demo.load(dtype=torch_dtype, attn_implementation=attn_implementation)
+        return model, HFCodec(tokenizer)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=torch_dtype, attn_implementation=attn_implementation
+    ).eval()
+    return model, HFCodec(tokenizer)

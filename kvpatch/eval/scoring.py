@@ -1,0 +1,60 @@
+"""From per-answer records to one summary row per (task, mode, policy, ratio)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from kvpatch.eval.config import FULL
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (task, mode, policy, ratio), in the order first seen."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[(record["task"], record["mode"], record["policy"], record["ratio"])].append(record)
+    full_kv = {
+        (task, mode): _mean(r["kv_bytes"] for r in rows)
+        for (task, mode, policy, _), rows in groups.items()
+        if policy == FULL
+    }
+    summary = []
+    for (task, mode, policy, ratio), rows in groups.items():
+        kv = _mean(r["kv_bytes"] for r in rows)
+        decode_s = sum(r["decode_s"] for r in rows)
+        survival = [s for r in rows if r["needle_survival"] for s in r["needle_survival"]]
+        whole = [min(r["needle_survival"]) for r in rows if r["needle_survival"]]
+        summary.append(
+            {
+                "task": task,
+                "mode": mode,
+                "policy": policy,
+                "ratio": ratio,
+                "samples": len(rows),
+                "accuracy": _mean(r["score"] for r in rows),
+                "kv_mb": kv / 2**20,
+                "kv_saved": 1 - kv / full_kv[(task, mode)] if (task, mode) in full_kv else None,
+                "prefill_s": _mean(r["prefill_s"] for r in rows),
+                "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s if decode_s else 0,
+                "needle_kept": _mean(survival) if survival else None,
+                "needle_min_kept": _mean(whole) if whole else None,
+                "needle_kept_by_token": _mean_by_index(
+                    r["needle_survival"] for r in rows if r["needle_survival"]
+                ),
+            }
+        )
+    return summary
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def _mean_by_index(lists) -> list[float] | None:
+    """Element-wise mean of lists that may differ in length (index i over those that have it)."""
+    columns: dict[int, list[float]] = defaultdict(list)
+    for values in lists:
+        for index, value in enumerate(values):
+            columns[index].append(value)
+    return [_mean(columns[i]) for i in range(len(columns))] or None

@@ -1,0 +1,118 @@
+"""One exact prefill, compressed afterwards with any policy: comparing policies on one context.
+
+The prefill of a causal model does not depend on what is evicted after it, so every policy's
+cache can be built from one forward that records each layer's queries, keys and values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvpatch import compat, replay
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.patching import disable, enable, is_enabled
+from kvpatch.policies import LayerInputs, Plan, Policy
+
+
+class _Recorder(Policy):
+    """Records each layer's prefill inputs and keeps everything."""
+
+    ratio = 0.0
+    name = "record"
+
+    def __init__(self):
+        self.inputs: dict[int, LayerInputs] = {}
+
+    def plan(self, inputs: LayerInputs, must_keep=None) -> Plan:
+        self.inputs[inputs.layer_idx] = inputs
+        # everything packed (a plan with full_width_from=0 fails in CompressedLayer._store)
+        everything = inputs.head_valid.clone()
+        return Plan(keep=everything, channels=None, full_width_from=inputs.num_tokens)
+
+
+@dataclass
+class SharedPrefill:
+    """One exact prefill of a sample: every layer's queries, keys and values, and the logits of
+    its last token. The prefill of a causal model does not depend on what is evicted afterwards,
+    so every policy's cache can be built from it, for the whole prompt or any prefix of it."""
+
+    inputs: dict[int, LayerInputs]
+    logits: torch.Tensor
+    seconds: float
+    input_ids: torch.Tensor
+    #: KVzip's reconstruction attention per (prefix length, chunk size, overlap), per layer
+    replays: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    replay_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    #: seconds of reconstruction the last :meth:`cache` reused instead of running
+    reused_replay_s: float = 0.0
+
+    @classmethod
+    @torch.no_grad()
+    def run(cls, model, ids: torch.Tensor) -> SharedPrefill:
+        recorder = _Recorder()
+        was_enabled = is_enabled(model)
+        if not was_enabled:
+            enable(model)
+        try:
+            cache = CompressedDynamicCache(config=model.config, policy=recorder)
+            start = time.perf_counter()
+            argument = compat.cache_argument(model)
+            out = model(ids, use_cache=True, logits_to_keep=1, **{argument: cache})
+            seconds = time.perf_counter() - start
+        finally:
+            if not was_enabled:
+                disable(model)
+        return cls(recorder.inputs, out.logits, seconds, ids)
+
+    def cache(self, model, policy: str | None, length: int | None = None, tokenizer=None):
+        """A cache holding the first ``length`` tokens, compressed with ``policy`` (None: a stock
+        ``DynamicCache``), as a prefill of those tokens would have left it. A KVzip policy
+        reconstructs that prefix once (``tokenizer`` gives its prompt); other ratios reuse it."""
+        if policy is None:
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = CompressedDynamicCache(config=model.config, policy=policy)
+        length = length or self.input_ids.shape[1]
+        self.reused_replay_s = 0.0
+        deferred = policy is not None and cache.policy.needs_all_layers
+        for index, layer in enumerate(cache.layers):
+            inputs = self.inputs[index]
+            if length < inputs.num_tokens:
+                inputs = dataclasses.replace(
+                    inputs,
+                    queries=inputs.queries[:, :, :length],
+                    keys=inputs.keys[:, :, :length],
+                    values=inputs.values[:, :, :length],
+                    valid=inputs.valid[..., :length],
+                )
+            layer.update(inputs.keys, inputs.values)
+            if isinstance(layer, CompressedLayer):
+                if deferred:
+                    layer.defer(cache.policy, inputs)
+                else:
+                    layer.compress(cache.policy, inputs)
+        if deferred and cache.policy.needs_replay:
+            self._replay(model, cache, length, tokenizer)
+        if deferred:
+            cache.compress_deferred()
+        return cache
+
+    def _replay(self, model, cache: CompressedDynamicCache, length: int, tokenizer) -> None:
+        scorer = replay.replay_scorer(cache.policy)
+        key = (length, scorer.chunk_size, scorer.overlap)
+        if key not in self.replays:
+            ids = self.input_ids[:, :length]
+            start = time.perf_counter()
+            prompts = replay.RepeatPrompts(tokenizer, ids.device)
+            replay.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
+            self.replay_seconds[key] = time.perf_counter() - start
+            self.replays[key] = [layer.replay_attention for layer in cache.deferred_layers]
+        else:
+            self.reused_replay_s = self.replay_seconds[key]
+        for layer, attention in zip(cache.deferred_layers, self.replays[key], strict=True):
+            layer.replay_attention = attention
