@@ -106,7 +106,7 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn):
         reference = reference.clone()
         reference[:, :4] = math.inf  # sinks
         for head in range(reference.shape[0]):
-            kept = cache.layers[idx].kept_positions(0, head)
+            kept = cache.stats().layers[idx].kept_positions(0, head)
             assert kept.shape[0] == budget
             expected_kept = reference[head].topk(budget).indices.sort().values
             assert torch.equal(kept, expected_kept)
@@ -270,7 +270,8 @@ def test_padded_rows_are_scored_on_their_own_tokens(policy):
         answers = batch.generate(question, max_new_tokens=5, do_sample=False, pad_token_id=0)
         for row, (p, context) in enumerate(zip(prompts, alone, strict=True)):
             pad = ids.shape[1] - p.shape[0]
-            for layer, single in zip(batch.cache.layers, context.cache.layers, strict=True):
+            both = zip(batch.cache.stats().layers, context.cache.stats().layers, strict=True)
+            for layer, single in both:
                 for head in range(model.config.num_key_value_heads):
                     kept = layer.kept_positions(row, head)
                     kept = kept[kept < ids.shape[1]] - pad

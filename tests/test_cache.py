@@ -114,7 +114,7 @@ def test_lengths_logical_and_physical():
     physical = layer.physical_lengths()
     assert (physical < 303).all()
     for b, h in [(0, 0), (0, 1)]:
-        positions = layer.kept_positions(b, h)
+        positions = cache.stats().layers[0].kept_positions(b, h)
         assert len(positions) == physical[b, h]
         assert (positions.diff() > 0).all() and positions[-1] == 302
 

@@ -1,25 +1,16 @@
 """One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`.
 
-Its life:
-
-1. **prefill** — the first ``update`` stores the prompt's keys and values densely, like
-   ``DynamicLayer``, and returns them marked :class:`~kvpatch.cache.views.PrefillView`. The
-   kvpatch attention function computes the prefill's attention exactly, then calls
-   :meth:`CompressedLayer.compress` (or :meth:`~CompressedLayer.defer`, for a policy that plans
-   every layer at once).
-2. **compressed** — the prefill is replaced by a
-   :class:`~kvpatch.cache.store.CompressedStore`. ``update`` appends to its tail and returns a
-   transient dense view of the whole layer, marked
-   :class:`~kvpatch.cache.views.CompressedView` so the attention function knows which slots are
-   padding and where the tail starts.
-
-Lengths are *logical* (tokens seen, which positions and masks follow) or *physical* (tokens held).
+Its first ``update`` (the prefill) is stored densely and returned marked
+:class:`~kvpatch.cache.views.PrefillView`; the kvpatch attention function attends over it exactly,
+then calls :meth:`CompressedLayer.compress` (or :meth:`~CompressedLayer.defer`, for a policy that
+plans every layer at once). From then on the layer is a
+:class:`~kvpatch.cache.store.CompressedStore`, and ``update`` returns a transient dense view of it
+marked :class:`~kvpatch.cache.views.CompressedView`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -27,20 +18,11 @@ from transformers.cache_utils import DynamicLayer
 from kvpatch import compat
 from kvpatch.cache import recompress
 from kvpatch.cache.packed import PackedKV, storage_nbytes
-from kvpatch.cache.recompress import DecodeBudget, LayerSetup, check_decode_budget
+from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
 from kvpatch.cache.replay_chunk import ReplayChunk
 from kvpatch.cache.store import CompressedStore
-from kvpatch.cache.views import CompressedView, PrefillView, ReplayView, mark
+from kvpatch.cache.views import PrefillView, mark
 from kvpatch.policies import LayerInputs, Plan, Policy
-
-
-@dataclass
-class Deferred:
-    """A prefill held densely until the cache compresses every layer together."""
-
-    policy: Policy
-    inputs: LayerInputs
-    decode_budget: DecodeBudget | None
 
 
 class CompressedLayer(DynamicLayer):
@@ -187,23 +169,9 @@ class CompressedLayer(DynamicLayer):
             check_decode_budget(policy, decode_budget)
         if plan is None:
             plan = policy.plan(inputs)
-        _check_plan(plan, inputs)
-        start = plan.full_width_from
-        self.store = CompressedStore(
-            PackedKV.from_plan(self.keys, self.values, plan),
-            self.keys[..., start:, :],
-            self.values[..., start:, :],
-            tail_start=start,
-            tail_valid=inputs.head_valid[:, 0, start:],
-        )
-        self.setup = LayerSetup(
-            policy=policy,
-            scaling=inputs.scaling,
-            layer_idx=inputs.layer_idx,
-            rotary=inputs.rotary,
-            position_offset=(~inputs.head_valid[:, 0]).sum(-1),
-            decode_budget=decode_budget,
-        )
+        plan.check(inputs)
+        self.store = CompressedStore.from_plan(self.keys, self.values, plan, inputs.head_valid)
+        self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)
         self._expose_tail()
         if decode_budget is not None:
             self.recent_queries = recompress.recent(None, inputs.queries)
@@ -227,7 +195,7 @@ class CompressedLayer(DynamicLayer):
             self.store = recompress.compress_to_budget(self.store, self.setup, self.recent_queries)
         self.store.append(key_states, value_states)
         self._expose_tail()
-        return self._dense_view()
+        return self.store.attention_view(self)
 
     def remember_queries(self, queries: torch.Tensor) -> None:
         """Keep the last queries, which decoding-time compression scores with, and all of an
@@ -270,16 +238,12 @@ class CompressedLayer(DynamicLayer):
                 "model.generate on an enabled model, not with a plain forward"
             )
         if self.deferred is not None:
-            keys, values, scored_from = self.keys, self.values, 0
-            held_valid = self.replay.prefill_held_valid
-        else:
-            keys, values = self.store.dense()
-            held_valid = self.store.slot_valid()
-            scored_from = self.store.packed.max_length
-        keys = torch.cat([keys, key_states], dim=-2)
-        values = torch.cat([values, value_states], dim=-2)
-        view = ReplayView(self, self.replay, held_valid, scored_from)
-        return mark(keys, view), values
+            return self.replay.view(self, self.keys, self.values, None, key_states, value_states)
+        keys, values = self.store.dense()
+        held_valid, scored_from = self.store.slot_valid(), self.store.packed.max_length
+        return self.replay.view(
+            self, keys, values, held_valid, key_states, value_states, scored_from
+        )
 
     def record_replay_attention(self, attention: torch.Tensor) -> None:
         """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
@@ -288,23 +252,8 @@ class CompressedLayer(DynamicLayer):
         else:
             self.replay_attention = torch.maximum(self.replay_attention, attention)
 
-    # -- the view the attention function reads -------------------------------------------------
-
     def _expose_tail(self) -> None:
         self.keys, self.values = self.store.tail()
-
-    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.store.dense()
-        packed = self.store.packed
-        view = CompressedView(
-            layer=self,
-            lengths=packed.lengths,
-            packed_length=packed.max_length,
-            tail_start=self.store.tail_start,
-            key_norm_bound=self.store.key_norm_bound,
-            padding_slots=None if packed.is_uniform else packed.padding_slots,
-        )
-        return mark(keys, view), values
 
     # -- what is held --------------------------------------------------------------------------
 
@@ -336,21 +285,6 @@ class CompressedLayer(DynamicLayer):
         b, h, held, _ = self.keys.shape
         return torch.full((b, h), held, dtype=torch.long, device=self.keys.device)
 
-    def kept_positions(self, row: int, head: int) -> torch.Tensor:
-        """Logical positions of the tokens held by one head, in order."""
-        if self.store is None:
-            return torch.arange(self.seen, device=self.keys.device)
-        return self.store.kept_positions(row, head)
-
-    def kept_mask(self) -> torch.Tensor | None:
-        """Bool ``[batch, kv_heads, seen]``: which logical positions each head holds."""
-        if not self.is_initialized:
-            return None
-        if self.store is not None:
-            return self.store.kept_mask()
-        b, h, _, _ = self.keys.shape
-        return torch.ones(b, h, self.seen, dtype=torch.bool, device=self.keys.device)
-
     def nbytes(self) -> int:
         """Bytes of the tensors this layer holds (their storages, not views)."""
         if not self.is_initialized:
@@ -359,15 +293,3 @@ class CompressedLayer(DynamicLayer):
             return storage_nbytes(self.keys, self.values)
         extra = storage_nbytes(self.recent_queries, self.setup.position_offset)
         return self.store.nbytes() + extra
-
-
-def _check_plan(plan: Plan, inputs: LayerInputs) -> None:
-    b, h, t, _ = inputs.keys.shape
-    if plan.keep.shape != (b, h, t) or plan.keep.dtype != torch.bool:
-        raise ValueError(
-            f"a plan's keep mask must be bool [{b}, {h}, {t}], got {tuple(plan.keep.shape)}"
-        )
-    if not 0 <= plan.full_width_from <= t:
-        raise ValueError(f"full_width_from must be in [0, {t}], got {plan.full_width_from}")
-    if (plan.keep & ~inputs.valid[:, None, :]).any():
-        raise ValueError("a plan must not keep padding tokens")

@@ -41,6 +41,15 @@ class DecodeBudget:
 
 
 @dataclass
+class Deferred:
+    """A prefill held densely until the cache compresses every layer together."""
+
+    policy: Policy
+    inputs: LayerInputs
+    decode_budget: DecodeBudget | None
+
+
+@dataclass
 class LayerSetup:
     """What a compressed layer remembers of its prefill to compress again later."""
 
@@ -51,6 +60,14 @@ class LayerSetup:
     #: long ``[batch]``, left padding of each row (positions count real tokens only)
     position_offset: torch.Tensor
     decode_budget: DecodeBudget | None = None
+
+    @classmethod
+    def from_inputs(
+        cls, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None
+    ) -> LayerSetup:
+        """The setup of a layer whose prefill was ``inputs``."""
+        offset = (~inputs.head_valid[:, 0]).sum(-1)
+        return cls(policy, inputs.scaling, inputs.layer_idx, inputs.rotary, offset, decode_budget)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.position_offset = self.position_offset[rows]

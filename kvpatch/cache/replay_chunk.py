@@ -7,8 +7,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvpatch.cache.views import ReplayView, mark
+
+if TYPE_CHECKING:
+    from kvpatch.cache.layer import CompressedLayer
 
 
 @dataclass
@@ -34,6 +40,25 @@ class ReplayChunk:
         if key not in self._buffers:
             self._buffers[key] = torch.empty(shape, dtype=torch.float32, device=like.device)
         return self._buffers[key]
+
+    def view(
+        self,
+        layer: CompressedLayer,
+        held_keys: torch.Tensor,
+        held_values: torch.Tensor,
+        held_valid: torch.Tensor | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scored_from: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``layer`` holds, then the chunk's ``keys``/``values`` (not stored), marked
+        :class:`~kvpatch.cache.views.ReplayView`. ``held_valid`` None: the held tokens are a
+        waiting prefill, :attr:`prefill_valid`."""
+        if held_valid is None:
+            held_valid = self.prefill_held_valid
+        view = ReplayView(layer, self, held_valid, scored_from)
+        keys = torch.cat([held_keys, keys], dim=-2)
+        return mark(keys, view), torch.cat([held_values, values], dim=-2)
 
     def additive_mask(self, held_valid: torch.Tensor, group: int) -> torch.Tensor:
         """``[batch, 1 or kv_heads, group * chunk, held + chunk]``, 0 where a query (rows ordered

@@ -34,6 +34,10 @@ class LayerStats:
     nbytes: int
     full_nbytes: int
 
+    def kept_positions(self, row: int, head: int) -> torch.Tensor:
+        """Logical positions held by one (batch row, KV head), in order."""
+        return self.kept[row, head].nonzero().flatten()
+
 
 @dataclass
 class CacheStats:
@@ -85,10 +89,17 @@ def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
         compressed=layer.is_compressed,
         seen=layer.seen,
         held=layer.physical_lengths(),
-        kept=layer.kept_mask(),
+        kept=_kept_mask(layer),
         nbytes=layer.nbytes(),
         full_nbytes=full,
     )
+
+
+def _kept_mask(layer: CompressedLayer) -> torch.Tensor:
+    if layer.is_compressed:
+        return layer.store.kept_mask()
+    b, h, _, _ = layer.keys.shape
+    return torch.ones(b, h, layer.seen, dtype=torch.bool, device=layer.keys.device)
 
 
 def cache_nbytes(cache) -> int:

@@ -9,10 +9,17 @@ decoded token copies that token only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
+from kvpatch.cache.views import CompressedView, mark
+from kvpatch.policies import Plan
+
+if TYPE_CHECKING:
+    from kvpatch.cache.layer import CompressedLayer
 
 
 class CompressedStore:
@@ -52,6 +59,17 @@ class CompressedStore:
         self.tail_start = tail_start
         self.tail_valid = tail_valid.clone()
         self._bound_key_norms(self.keys.view())
+
+    @classmethod
+    def from_plan(
+        cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan, valid: torch.Tensor
+    ) -> CompressedStore:
+        """What ``plan`` keeps of a prefill's ``keys``/``values``; ``valid`` ``[batch, kv_heads,
+        tokens]`` marks its real tokens."""
+        start = plan.full_width_from
+        packed = PackedKV.from_plan(keys, values, plan)
+        tail_keys, tail_values = keys[..., start:, :], values[..., start:, :]
+        return cls(packed, tail_keys, tail_values, start, valid[:, 0, start:])
 
     # -- lengths -------------------------------------------------------------------------------
 
@@ -165,6 +183,21 @@ class CompressedStore:
         keys[:, :, length:] = tail_keys
         values[:, :, length:] = tail_values
         return keys, values
+
+    def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`dense`, marked with the :class:`~kvpatch.cache.views.CompressedView` that the
+        attention function reads."""
+        keys, values = self.dense()
+        packed = self.packed
+        view = CompressedView(
+            layer=layer,
+            lengths=packed.lengths,
+            packed_length=packed.max_length,
+            tail_start=self.tail_start,
+            key_norm_bound=self.key_norm_bound,
+            padding_slots=None if packed.is_uniform else packed.padding_slots,
+        )
+        return mark(keys, view), values
 
     def slot_valid(self) -> torch.Tensor:
         """Bool ``[batch, kv_heads, slots]``: which slots of :meth:`dense` are real tokens."""

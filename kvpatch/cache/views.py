@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpatch.cache.replay_chunk import ReplayChunk
-
 if TYPE_CHECKING:
     from kvpatch.cache.decode import DecodeBudget
     from kvpatch.cache.layer import CompressedLayer
+    from kvpatch.cache.replay_chunk import ReplayChunk
     from kvpatch.policies import Policy
 
 _VIEW_ATTRIBUTE = "_kvpatch_view"

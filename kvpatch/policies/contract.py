@@ -123,6 +123,18 @@ class Plan:
     channels: torch.Tensor | None
     full_width_from: int
 
+    def check(self, inputs: LayerInputs) -> None:
+        """Reject a plan that does not fit ``inputs`` (a policy's bug, caught before storage)."""
+        b, h, t, _ = inputs.keys.shape
+        if self.keep.shape != (b, h, t) or self.keep.dtype != torch.bool:
+            raise ValueError(
+                f"a plan's keep mask must be bool [{b}, {h}, {t}], got {tuple(self.keep.shape)}"
+            )
+        if not 0 <= self.full_width_from <= t:
+            raise ValueError(f"full_width_from must be in [0, {t}], got {self.full_width_from}")
+        if (self.keep & ~inputs.head_valid).any():
+            raise ValueError("a plan must not keep padding tokens")
+
 
 def kept_count(inputs: LayerInputs, ratio: float) -> torch.Tensor:
     """Tokens each head keeps, ``[batch, kv_heads]``: its real tokens minus the fraction
