@@ -13,6 +13,7 @@ from kvpatch.eval.tasks import TASKS
 
 
 def parser() -> argparse.ArgumentParser:
+    # long: one add_argument per option, in the order --help shows them
     p = argparse.ArgumentParser(
         prog="kvpatch-eval",
         description=(

@@ -36,17 +36,80 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
         config.tasks, codec, config.context_tokens, config.samples, config.seed,
         digits=config.digits,
     )  # fmt: skip
-    runs = [(FULL, 0.0)] + [
-        (policy, ratio) for policy in config.policies for ratio in config.ratios
-    ]
-    total = len(runs) * len(config.modes) * len(samples)
-    progress = _progress(total, config.progress)
-    records = []
+    runner = _Runner(config, model, codec)
+    total = len(runner.runs) * len(config.modes) * len(samples)
+    runner.progress = _progress(total, config.progress)
     was_enabled = kvpatch.is_enabled(model)
+    try:
+        if not was_enabled:
+            kvpatch.enable(model)  # stock attention on stock caches; each cache its policy
+        for indexed in context_groups(samples):
+            runner.run_group(indexed)
+    finally:
+        runner.progress.close()
+        if was_enabled and not kvpatch.is_enabled(model):
+            kvpatch.enable(model)
+        elif not was_enabled and kvpatch.is_enabled(model):
+            kvpatch.disable(model)
+    records = sorted(
+        runner.records, key=lambda r: (r["task"], MODES.index(r["mode"]), r["policy"] != FULL)
+    )
+    result = {"config": asdict(config), "summary": summarize(records), "records": records}
+    write_outputs(result, Path(config.output), plot=config.plot)
+    return result
 
-    def record(index, sample, mode, policy, ratio, spec, result):
-        text = codec.decode(result.pop("tokens"))
-        records.append(
+
+class _Runner:
+    """Runs the samples of one context through every mode, policy and ratio."""
+
+    def __init__(self, config: EvalConfig, model, codec: Codec):
+        self.config, self.model, self.codec = config, model, codec
+        self.runs = [(FULL, 0.0)] + [(p, r) for p in config.policies for r in config.ratios]
+        # KVzip's repeat prompt needs a tokenizer; the byte codec is one
+        self.tokenizer = codec.tokenizer if isinstance(codec, HFCodec) else codec
+        self.records: list[dict] = []
+        self.progress = None
+
+    def run_group(self, indexed: list[tuple[int, Sample]]) -> None:
+        group = [sample for _, sample in indexed]
+        prefills = None
+        if self.config.shared_prefill:
+            asked = group if "prefill" in self.config.modes else group[:1]
+            device = self.model.device
+            prefills = [
+                kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device)) for s in asked
+            ]
+        for mode in self.config.modes:
+            for policy, ratio in self.runs:
+                spec = None if policy == FULL else with_ratio(policy, ratio)
+                context_cache, context_s = None, 0.0
+                # one compressed context, copied for each question; a chat turn by turn
+                if mode == "agnostic" and (len(group) > 1 or group[0].turns):
+                    shared = prefills[0] if prefills else None
+                    context_cache, context_s = build_context_cache(
+                        self.model, group[0], spec, shared, self.tokenizer
+                    )
+                for offset, (index, sample) in enumerate(indexed):
+                    prefill = None
+                    if prefills:
+                        prefill = prefills[offset if mode == "prefill" else 0]
+                    result = self.answer(sample, prefill, spec, mode, context_cache)
+                    if context_cache is not None:
+                        result["prefill_s"] += context_s
+                    self.record(index, sample, mode, policy, ratio, spec, result)
+
+    def answer(self, sample: Sample, prefill, spec, mode: str, context_cache) -> dict:
+        limit = new_tokens_for(sample, self.config.digits)
+        start = int(sample.input_ids.shape[0])
+        stop = AnswerComplete(self.codec, start, len(sample.answers), self.config.digits)
+        options = dict(stop=stop, tokenizer=self.tokenizer, context_cache=context_cache)
+        if prefill is not None:
+            return answer_shared(self.model, sample, prefill, spec, mode, limit, **options)
+        return answer(self.model, sample, spec, mode, limit, **options)
+
+    def record(self, index, sample, mode, policy, ratio, spec, result) -> None:
+        text = self.codec.decode(result.pop("tokens"))
+        self.records.append(
             {
                 "task": sample.task,
                 "mode": mode,
@@ -63,64 +126,7 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
                 **result,
             }
         )
-        progress.update(1)
-
-    def stop_for(sample):
-        start = int(sample.input_ids.shape[0])
-        return AnswerComplete(codec, start, len(sample.answers), config.digits)
-
-    tokenizer = codec.tokenizer if isinstance(codec, HFCodec) else codec  # for KVzip's prompt
-    try:
-        if not was_enabled:
-            kvpatch.enable(model)  # stock attention on stock caches; each cache its policy
-        for indexed in context_groups(samples):
-            group = [sample for _, sample in indexed]
-            if config.shared_prefill:
-                asked = group if "prefill" in config.modes else group[:1]
-                prefills = [
-                    kvpatch.SharedPrefill.run(model, s.input_ids[None].to(model.device))
-                    for s in asked
-                ]
-            for mode in config.modes:
-                for policy, ratio in runs:
-                    spec = None if policy == FULL else with_ratio(policy, ratio)
-                    context_cache, context_s = None, 0.0
-                    # one compressed context, copied for each question; a chat turn by turn
-                    if mode == "agnostic" and (len(group) > 1 or group[0].turns):
-                        shared = prefills[0] if config.shared_prefill else None
-                        context_cache, context_s = build_context_cache(
-                            model, group[0], spec, shared, tokenizer
-                        )
-                    for offset, (index, sample) in enumerate(indexed):
-                        limit = new_tokens_for(sample, config.digits)
-                        options = dict(stop=stop_for(sample), tokenizer=tokenizer)
-                        if config.shared_prefill:
-                            shared = prefills[offset if mode == "prefill" else 0]
-                            result = answer_shared(
-                                model, sample, shared, spec, mode, limit,
-                                context_cache=context_cache, **options,
-                            )  # fmt: skip
-                        else:
-                            result = answer(
-                                model, sample, spec, mode, limit,
-                                context_cache=context_cache, **options,
-                            )  # fmt: skip
-                        if context_cache is not None:
-                            result["prefill_s"] += context_s
-                        record(index, sample, mode, policy, ratio, spec, result)
-            if config.shared_prefill:
-                del prefills
-    finally:
-        progress.close()
-        if was_enabled and not kvpatch.is_enabled(model):
-            kvpatch.enable(model)
-        elif not was_enabled and kvpatch.is_enabled(model):
-            kvpatch.disable(model)
-    records.sort(key=lambda r: (r["task"], MODES.index(r["mode"]), r["policy"] != FULL))
-    summary = summarize(records)
-    result = {"config": asdict(config), "summary": summary, "records": records}
-    write_outputs(result, Path(config.output), plot=config.plot)
-    return result
+        self.progress.update(1)
 
 
 def _progress(total: int, enabled: bool):

@@ -149,6 +149,24 @@ def make_sample(
     return make_context(task, codec, context_tokens, rng, digits, distractors, values)[0]
 
 
+def _needles(rng: random.Random, count: int, digits: int, same_key: bool) -> list[tuple[str, str]]:
+    """``count`` (key, value) needles with distinct values: distinct keys, or one key."""
+    keys: set[str] = set()
+    numbers: set[str] = set()
+    first = _key(rng, keys)
+    return [
+        (first if same_key or i == 0 else _key(rng, keys), _value(rng, numbers, digits))
+        for i in range(count)
+    ]
+
+
+def _token_span(text: str, spans: list[tuple[int, int]], anchor: str, value: str) -> list[int]:
+    """Indices of the tokens covering ``value`` where it appears inside ``anchor`` in ``text``."""
+    start = text.index(anchor) + anchor.index(value)
+    end = start + len(value)
+    return [i for i, (a, b) in enumerate(spans) if a < end and b > start]
+
+
 def make_context(
     task: str,
     codec: Codec,
@@ -165,20 +183,9 @@ def make_context(
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if task == "chat":
         return [make_chat(codec, context_tokens, rng, digits, turns=questions)]
-    keys: set[str] = set()
-    numbers: set[str] = set()
-    key = _key(rng, keys)
-    if task == "single":
-        needles = [(key, _value(rng, numbers, digits))]
-    elif task == "multikey":
-        needles = [(key, _value(rng, numbers, digits))]
-        needles += [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(distractors)]
-    elif task == "multiquestion":
-        needles = [(key, _value(rng, numbers, digits))]
-        needles += [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(questions - 1)]
-    else:
-        needles = [(key, _value(rng, numbers, digits)) for _ in range(values)]
-    asked = [k for k, _ in needles] if task == "multiquestion" else [key]
+    counts = {"multikey": 1 + distractors, "multiquestion": questions, "multivalue": values}
+    needles = _needles(rng, counts.get(task, 1), digits, same_key=task == "multivalue")
+    asked = [k for k, _ in needles] if task == "multiquestion" else [needles[0][0]]
     question_texts = [_question_text(codec, k, task == "multivalue") for k in asked]
     before = codec.wrap("\x01")[0]
     longest = max(len(codec.encode(text)[0]) for text in question_texts)
@@ -195,11 +202,7 @@ def make_context(
     samples = []
     for asked_key, question_text in zip(asked, question_texts, strict=True):
         answers = [v for k, v in needles if k == asked_key]
-        needle_spans = []
-        for answer in answers:
-            start = context_text.index(f" is: {answer}.") + len(" is: ")
-            end = start + len(answer)
-            needle_spans.append([i for i, (a, b) in enumerate(spans) if a < end and b > start])
+        needle_spans = [_token_span(context_text, spans, f" is: {a}.", a) for a in answers]
         first = min(s[0] for s in needle_spans)
         samples.append(
             Sample(
@@ -250,8 +253,7 @@ def make_chat(
     question_text = f"{turn}{space}The special magic number for {key} is:"
     context_ids, spans = codec.encode(context_text)
     turn_ends = [sum(1 for _, end in spans if end <= char) for char in ends]
-    start = context_text.index(f" is: {answer}.") + len(" is: ")
-    span = [i for i, (a, b) in enumerate(spans) if a < start + len(answer) and b > start]
+    span = _token_span(context_text, spans, f" is: {answer}.", answer)
     return Sample(
         task="chat",
         context_ids=torch.tensor(context_ids, dtype=torch.long),
