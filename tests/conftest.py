@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
 import torch
 import transformers
 
 from kvpatch.testing import FAMILIES, random_prompt, tiny_model
 
 MODELS = FAMILIES
+
+# property tests (tests/test_properties.py): a fixed set of examples by default, many more with
+# --hypothesis-profile=long
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci", max_examples=60, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK
+)
+settings.register_profile("long", max_examples=300, deadline=None, suppress_health_check=_SLOW_OK)
+settings.load_profile("ci")
 
 
 def make_model(name: str = "llama", attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
