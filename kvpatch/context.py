@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch import compat, replay
+from kvpatch import checks, compat, replay
 from kvpatch.cache import CompressedDynamicCache, token_policy_of
 from kvpatch.patching import is_enabled, prefill_into, tokenizer_of
 from kvpatch.policies import Policy
@@ -56,7 +56,7 @@ class CompressedContext:
 
         ``ids`` is ``[batch, tokens]`` (or 1-D for a batch of one), all real tokens.
         """
-        ids = self._as_batch(ids)
+        ids = self._as_batch(ids, "ids")
         cache = self.copy_cache()
         input_ids = torch.cat([self.input_ids, ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(ids)], dim=-1)
@@ -64,9 +64,8 @@ class CompressedContext:
         logits = compress_appended(self.model, cache, input_ids, mask, start, tokenizer)
         return CompressedContext(self.model, input_ids, mask, cache, logits)
 
-    def _as_batch(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dim() == 1:
-            ids = ids[None]
+    def _as_batch(self, ids: torch.Tensor, name: str) -> torch.Tensor:
+        ids, _ = checks.token_batch(ids, name=name)
         ids = ids.to(self.input_ids.device)
         if ids.shape[0] != self.input_ids.shape[0]:
             raise ValueError(
@@ -81,7 +80,7 @@ class CompressedContext:
         ``question_ids`` is ``[batch, question_tokens]`` (or 1-D for a batch of one). Returns the
         generated tokens only, ``[batch, new_tokens]``.
         """
-        question_ids = self._as_batch(question_ids)
+        question_ids = self._as_batch(question_ids, "question_ids")
         ids = torch.cat([self.input_ids, question_ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question_ids)], dim=-1)
         cache_kwarg = {compat.cache_argument(self.model): self.copy_cache()}
@@ -112,10 +111,8 @@ def prefill(
     """
     if not is_enabled(model):
         raise ValueError("kvpatch.prefill needs kvpatch.enable(model, policy) first")
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    input_ids, attention_mask = checks.token_batch(input_ids, attention_mask)
+    checks.no_empty_rows(attention_mask)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
     logits = prefill_into(model, cache, input_ids, attention_mask, tokenizer)
     return CompressedContext(model, input_ids, attention_mask, cache, logits)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import wrapt
 
-from kvpatch import attention, compat
+from kvpatch import attention, checks, compat
 from kvpatch.cache import CompressedDynamicCache
 from kvpatch.policies import Policy, parse_policy
 from kvpatch.replay import finish_prefill
@@ -199,6 +199,8 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
     cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            checks.no_empty_rows(kwargs["attention_mask"])
         policy = cache.policy if cache.policy is not None else policy_of(model)
         if policy is not None and policy.needs_replay:
             _prefill_for_generate(model, cache, args, kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch.cache.layer import CompressedLayer
@@ -42,6 +43,11 @@ class CompressedDynamicCache(DynamicCache):
         decode_interval: int = 64,
         **kwargs,
     ):
+        if config is not None and not isinstance(config, PretrainedConfig):
+            raise TypeError(
+                f"config must be the model's PretrainedConfig (model.config), got "
+                f"{type(config).__name__}"
+            )
         super().__init__(config=config, **kwargs)
         self.policy = parse_policy(policy)
         self.decode_budget = (

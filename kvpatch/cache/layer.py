@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvpatch import compat
+from kvpatch import checks, compat
 from kvpatch.cache import recompress
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
@@ -70,6 +70,7 @@ class CompressedLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        checks.same_kind_of_keys(self.keys, key_states)
         if self.replay is not None or self.deferred is not None:
             return self._replay_view(key_states, value_states)
         first_forward = self.seen == 0
