@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
 import torch
 import transformers
+from hypothesis import HealthCheck, settings
 
 from kvpatch.testing import FAMILIES, random_prompt, tiny_model
 

@@ -39,13 +39,12 @@ def evictions_of(cache) -> dict[int, Eviction]:
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, CompressedLayer) or not layer.is_compressed:
             continue
-        packed = layer.packed
-        b, h, start = packed.kept.shape
-        prefill = start + (layer.seen - start)  # positions seen, some decoded after
-        keep = torch.ones(b, h, prefill, dtype=torch.bool, device=packed.kept.device)
-        keep[..., :start] = packed.kept
+        packed, start = layer.packed, layer.tail_start
+        keep = packed.kept_mask(layer.seen)  # positions seen, some decoded after
+        keep[..., start:] = True
         channel_keep = None
         if packed.channels is not None:
+            b, h, _ = keep.shape
             channel_keep = torch.zeros(b, h, packed.head_dim, dtype=torch.bool, device=keep.device)
             channel_keep.scatter_(-1, packed.channels, True)
         out[idx] = Eviction(keep, channel_keep, start)

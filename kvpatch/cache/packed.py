@@ -42,7 +42,10 @@ class PackedKV:
     values : ``[total_kept, v_head_dim]``, or None likewise
     lengths : long ``[batch, kv_heads]``, tokens held by each head
     channels : long ``[batch, kv_heads, kept_channels]`` or None when every channel is kept
-    kept : bool ``[batch, kv_heads, positions]``, which of the compressed positions each head holds
+    record : which logical positions the packed tokens are, in the smaller of two forms: a bool
+        ``[batch, kv_heads, length]`` mask over the compressed range (1 byte a position seen), or
+        the int32 ``[total_kept]`` position of each packed token (4 bytes a token kept). A long
+        generation with a decode budget sees far more than it keeps, and takes the second.
     head_dim : full key width, to re-insert pruned channels
     """
 
@@ -50,7 +53,7 @@ class PackedKV:
     values: torch.Tensor | None
     lengths: torch.Tensor
     channels: torch.Tensor | None
-    kept: torch.Tensor
+    record: torch.Tensor
     head_dim: int
 
     def destinations(self, width: int) -> torch.Tensor:
@@ -68,12 +71,12 @@ class PackedKV:
         values: torch.Tensor,
         keep: torch.Tensor,
         channels: torch.Tensor | None,
-        kept: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
     ) -> PackedKV:
-        """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values.
-
-        ``kept`` is the record of which logical positions those slots are.
-        """
+        """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values;
+        ``positions`` ``[batch, kv_heads, slots]`` are the slots' logical positions, all below
+        ``length``."""
         b, h, slots, d = keys.shape
         if channels is not None:
             keys = keys.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
@@ -82,7 +85,7 @@ class PackedKV:
             values=values[keep],
             lengths=keep.sum(-1),
             channels=channels,
-            kept=kept,
+            record=_record(keep, positions, length),
             head_dim=d,
         )
 
@@ -90,8 +93,10 @@ class PackedKV:
     def from_plan(cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan) -> PackedKV:
         """Pack the prefill tokens before ``plan.full_width_from`` that ``plan.keep`` keeps."""
         end = plan.full_width_from
-        keep = plan.keep[..., :end].contiguous()
-        return cls.pack(keys[..., :end, :], values[..., :end, :], keep, plan.channels, keep)
+        keep = plan.keep[..., :end]
+        positions = torch.arange(end, device=keep.device).expand_as(keep)
+        keys, values = keys[..., :end, :], values[..., :end, :]
+        return cls.pack(keys, values, keep, plan.channels, positions, end)
 
     @cached_property
     def max_length(self) -> int:
@@ -174,13 +179,32 @@ class PackedKV:
 
     def without_data(self) -> PackedKV:
         """The same bookkeeping with the keys and values kept elsewhere."""
-        return PackedKV(None, None, self.lengths, self.channels, self.kept, self.head_dim)
+        return PackedKV(None, None, self.lengths, self.channels, self.record, self.head_dim)
 
-    def positions(self) -> torch.Tensor:
+    def slot_positions(self) -> torch.Tensor:
         """Logical position of every slot of :meth:`dense`, ``[batch, kv_heads, max_length]``
         (0 in padding slots)."""
-        flat = self.kept.nonzero()[:, -1:]  # row-major, so in packing order
-        return self._padded(flat).squeeze(-1)
+        return self._padded(self._positions()[:, None]).squeeze(-1)
+
+    def _positions(self) -> torch.Tensor:
+        """Long ``[total_kept]``: the logical position of each packed token, in packing order."""
+        if self.record.dtype == torch.bool:
+            return self.record.nonzero()[:, -1]  # row-major, so in packing order
+        return self.record.long()
+
+    def kept_mask(self, length: int) -> torch.Tensor:
+        """Bool ``[batch, kv_heads, length]``: which logical positions each head holds here."""
+        b, h = self.lengths.shape
+        mask = torch.zeros(b * h, length, dtype=torch.bool, device=self.lengths.device)
+        if self.record.dtype == torch.bool:
+            end = min(length, self.record.shape[-1])
+            mask.view(b, h, length)[..., :end] = self.record[..., :end]
+            return mask.view(b, h, length)
+        heads = torch.repeat_interleave(
+            torch.arange(b * h, device=self.lengths.device), self.lengths.flatten()
+        )
+        mask[heads, self.record.long()] = True
+        return mask.view(b, h, length)
 
     def select_rows(self, rows: torch.Tensor) -> PackedKV:
         """The same storage for batch rows ``rows`` (reordered, repeated or a subset)."""
@@ -195,12 +219,12 @@ class PackedKV:
             values=None if self.values is None else self.values[index],
             lengths=self.lengths[rows],
             channels=None if self.channels is None else self.channels[rows],
-            kept=self.kept[rows],
+            record=self.record[rows] if self.record.dtype == torch.bool else self.record[index],
             head_dim=self.head_dim,
         )
 
     def nbytes(self) -> int:
-        return storage_nbytes(self.keys, self.values, self.lengths, self.channels, self.kept)
+        return storage_nbytes(self.keys, self.values, self.lengths, self.channels, self.record)
 
     def to(self, device: torch.device | str) -> PackedKV:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
@@ -209,6 +233,19 @@ class PackedKV:
             move(self.values),
             move(self.lengths),
             move(self.channels),
-            move(self.kept),
+            move(self.record),
             self.head_dim,
         )
+
+
+def _record(keep: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+    """The record of which positions ``keep`` holds (see :class:`PackedKV`), in its smaller
+    form."""
+    b, h, _ = keep.shape
+    kept = positions[keep]
+    if 4 * kept.numel() < b * h * length:
+        return kept.to(torch.int32)
+    mask = torch.zeros(b * h, length, dtype=torch.bool, device=keep.device)
+    heads = torch.arange(b * h, device=keep.device).view(b, h, 1).expand_as(keep)[keep]
+    mask[heads, kept] = True
+    return mask.view(b, h, length)

@@ -86,16 +86,9 @@ class CompressedStore:
         """Tokens held per (batch row, KV head)."""
         return self.packed.lengths + self.tail_length
 
-    def kept_positions(self, row: int, head: int) -> torch.Tensor:
-        """Logical positions of the tokens held by one head, in order."""
-        tail = torch.arange(self.tail_start, self.end, device=self.tail_valid.device)
-        return torch.cat([self.packed.kept[row, head].nonzero().flatten(), tail])
-
     def kept_mask(self) -> torch.Tensor:
         """Bool ``[batch, kv_heads, end]``: which logical positions each head holds."""
-        b, h, start = self.packed.kept.shape
-        mask = self.packed.kept.new_zeros(b, h, self.end)
-        mask[..., :start] = self.packed.kept
+        mask = self.packed.kept_mask(self.end)
         mask[..., self.tail_start :] = True
         return mask
 
@@ -142,14 +135,17 @@ class CompressedStore:
         (pass it if already built); the last ``full_width`` tokens (a channel policy's window)
         become the tail."""
         keys, values = dense if dense is not None else self.dense()
-        b, h, slots, _ = keys.shape
+        slots = keys.shape[2]
         cut = slots - full_width
         keep = keep[..., :cut]
         tail_start = self.end - full_width
-        record = torch.zeros(b, h, tail_start, dtype=torch.int8, device=keys.device)
-        record.scatter_add_(-1, self.slot_positions()[..., :cut], keep.to(torch.int8))
         packed = PackedKV.pack(
-            keys[..., :cut, :], values[..., :cut, :], keep, self.packed.channels, record > 0
+            keys[..., :cut, :],
+            values[..., :cut, :],
+            keep,
+            self.packed.channels,
+            self.slot_positions()[..., :cut],
+            tail_start,
         )
         tail_valid = self.tail_valid[:, self.tail_length - full_width :]
         return CompressedStore(
@@ -210,7 +206,7 @@ class CompressedStore:
         """Logical position of each slot of :meth:`dense`, ``[batch, kv_heads, slots]``."""
         b, h = self.packed.lengths.shape
         tail = torch.arange(self.tail_start, self.end, device=self.tail_valid.device)
-        return torch.cat([self.packed.positions(), tail.expand(b, h, -1)], -1)
+        return torch.cat([self.packed.slot_positions(), tail.expand(b, h, -1)], -1)
 
     def nbytes(self) -> int:
         """Bytes of every tensor held (storages, spare capacity included)."""

@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpatch.eval.config import DEFAULT_POLICIES, DEFAULT_RATIOS, MODES, EvalConfig
+from kvpatch.eval.config import (
+    DEFAULT_POLICIES,
+    DEFAULT_RATIOS,
+    DTYPES,
+    MODES,
+    EvalConfig,
+    load_model,
+)
 from kvpatch.eval.report import format_accuracy_grid, format_table
 from kvpatch.eval.run import run_eval
 from kvpatch.eval.tasks import TASKS
@@ -73,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
         default="sdpa",
         choices=("sdpa", "eager", "flash_attention_2"),
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--digits", type=int, default=6, help="digits of each magic number")
     p.add_argument(
         "--output",
@@ -99,15 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"kvpatch-eval: error: {error}", file=sys.stderr)
         return 2
-    try:
-        result = run_eval(config)
-    except Exception as error:  # a missing demo model says what to run
-        from kvpatch.demo import DemoModelUnavailable
+    from kvpatch.demo import DemoModelUnavailable
 
-        if isinstance(error, DemoModelUnavailable):
-            print(f"kvpatch-eval: error: {error}", file=sys.stderr)
-            return 1
-        raise
+    try:  # a missing demo model says what to run; an unknown model what to give
+        model, codec = load_model(config.model, config.attn_implementation, config.dtype)
+    except (DemoModelUnavailable, ValueError) as error:
+        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        return 1
+    result = run_eval(config, model, codec)
     summary = result["summary"]
     print(format_table(summary))
     print()

@@ -16,6 +16,9 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.9)
 #: ``prefill``: the question is in the prefill; ``agnostic``: the context is compressed first
 MODES = ("prefill", "agnostic")
 FULL = "full"
+#: a haystack needs room around its needles and question
+MIN_CONTEXT_TOKENS = 64
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -48,6 +51,12 @@ class EvalConfig:
         for mode in self.modes:
             if mode not in MODES:
                 raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        for name, least in (("samples", 1), ("context_tokens", MIN_CONTEXT_TOKENS), ("digits", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         for policy in self.policies:
             for ratio in self.ratios:
                 kvpatch.parse_policy(with_ratio(policy, ratio))  # fail early on a typo
@@ -78,8 +87,14 @@ def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float
         return model, HFCodec(tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=torch_dtype, attn_implementation=attn_implementation
-    ).eval()
+    try:  # a local directory, or a hub name already in the local cache: no download
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
+        ).eval()
+    except OSError as error:
+        raise ValueError(
+            f"no model {name!r} here: give 'demo' (the embedded SmolLM2), 'tiny' (a random "
+            "model), a local checkpoint directory, or a hub name already downloaded"
+        ) from error
     return model, HFCodec(tokenizer)
