@@ -16,32 +16,24 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import kvpatch
+from kvpatch.testing import tiny_model
 
 
-def small_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def small_model() -> torch.nn.Module:
+    """A small random Llama-style model: 4 layers, 8 query heads sharing 2 KV heads."""
+    return tiny_model(
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=8192,
-        eos_token_id=None,
-        bos_token_id=None,
+        pad_token_id=None,
     )
-    return LlamaForCausalLM(config).eval()
-
-
-def cache_bytes(cache) -> int:
-    if isinstance(cache, kvpatch.CompressedDynamicCache):
-        return cache.nbytes()
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 def run(model, ids, cache, new_tokens: int):
@@ -134,7 +126,7 @@ def main() -> None:
         cache = kvpatch.CompressedDynamicCache(config=model.config)
         answer = run(model, ids, cache, args.new_tokens)
 
-    full, held = cache_bytes(full_cache), cache_bytes(cache)
+    full, held = kvpatch.cache_nbytes(full_cache), kvpatch.cache_nbytes(cache)
     same = sum(a == b for a, b in zip(full_answer, answer, strict=True))
     print(f"prompt: {args.prompt_tokens} tokens, policy: {args.policy}")
     print(f"full cache answer (token ids):       {full_answer}")
