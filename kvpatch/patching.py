@@ -198,6 +198,7 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
         kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
     given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
     cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
+    _refuse_uncompressible(model, cache, kwargs)
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):
             checks.no_empty_rows(kwargs["attention_mask"])
@@ -205,6 +206,25 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
         if policy is not None and policy.needs_replay:
             _prefill_for_generate(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
+
+
+def _refuse_uncompressible(model, cache, kwargs) -> None:
+    """A model enabled with a policy compresses every generation, or says why it cannot: another
+    kind of cache (a DynamicCache, StaticCache, QuantizedCache...) would hold everything."""
+    if policy_of(model) is None:
+        return  # enabled without a policy: only CompressedDynamicCaches compress
+    kind = None
+    if cache is not None and not isinstance(cache, CompressedDynamicCache):
+        kind = f"a {type(cache).__name__}"
+    elif kwargs.get("cache_implementation") is not None:
+        kind = f"cache_implementation={kwargs['cache_implementation']!r}"
+    if kind is not None:
+        raise ValueError(
+            f"generate() on a model kvpatch compresses was given {kind}, which would hold the "
+            "whole cache uncompressed: pass no cache (one is made), or "
+            "CompressedDynamicCache(config=model.config); to use another cache, "
+            "kvpatch.disable(model) first"
+        )
 
 
 def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) -> None:

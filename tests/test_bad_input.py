@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_model, prompt
-from transformers import DynamicCache, StoppingCriteria, T5Config, T5ForConditionalGeneration
+from transformers import (
+    DynamicCache,
+    StaticCache,
+    StoppingCriteria,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, attention, compat
@@ -74,6 +80,34 @@ def _on_a_model_not_enabled():
     with torch.no_grad():
         model(prompt(5), use_cache=True, **argument)
         model(prompt(1), use_cache=True, **argument)
+
+
+def _generate_with(cache_kwargs: Callable[[torch.nn.Module], dict], policy="snapkv"):
+    def run():
+        model = _enabled(policy) if policy else make_model()
+        if not policy:
+            kvpatch.enable(model)
+        model.generate(prompt(20), max_new_tokens=2, pad_token_id=0, **cache_kwargs(model))
+
+    return run
+
+
+def _dynamic(model):
+    return {compat.cache_argument(model): DynamicCache(config=model.config)}
+
+
+def _static(model):
+    return {compat.cache_argument(model): StaticCache(config=model.config, max_cache_len=64)}
+
+
+def _stock_cache_without_policy():
+    model = make_model()
+    kvpatch.enable(model)  # no policy: stock caches stay stock
+    cache = DynamicCache(config=model.config)
+    model.generate(
+        prompt(20), max_new_tokens=2, pad_token_id=0, **{compat.cache_argument(model): cache}
+    )
+    assert cache.get_seq_length() == 21
 
 
 def _twice():
@@ -158,6 +192,10 @@ CASES = [
     Case("prefill", "a prompt shorter than the policy's window", _short_prompt_kept_whole, None),
     Case("prefill", "a one-token prompt", _one_token_prompt, None),
     Case("generate", "a row that is all padding", lambda: _enabled().generate(*_padded_batch()[:1], attention_mask=_padded_batch()[1], max_new_tokens=2), ValueError, "all padding"),
+    Case("generate", "a DynamicCache", _generate_with(_dynamic), ValueError, "kvpatch.disable(model) first"),
+    Case("generate", "a StaticCache", _generate_with(_static), ValueError, "CompressedDynamicCache(config=model.config)"),
+    Case("generate", "cache_implementation='static'", _generate_with(lambda m: {"cache_implementation": "static"}), ValueError, "would hold the whole cache"),
+    Case("generate", "a DynamicCache, enabled without a policy", _stock_cache_without_policy, None),
     Case("generate", "bf16 weights", _half_precision(torch.bfloat16), None),
     Case("generate", "fp16 weights", _half_precision(torch.float16), None),
     Case("CompressedContext.generate", "another batch size", lambda: _context().generate(prompt(3, batch=2)), ValueError, "batch size"),
