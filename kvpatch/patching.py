@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import wrapt
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch import attention, checks, compat
 from kvpatch.cache import CompressedDynamicCache
@@ -77,7 +78,20 @@ def _check_supported(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]
             "interface; kvpatch supports decoder-only models such as Llama, Mistral, Qwen2, "
             "Qwen3 and Gemma 2/3"
         )
+    _check_full_attention_layers(model)
     return implementation, modules
+
+
+def _check_full_attention_layers(model: torch.nn.Module) -> None:
+    """kvpatch compresses full-attention layers; a model with none would gain nothing."""
+    layers = DynamicCache(config=model.config).layers
+    if layers and not any(type(layer) is DynamicLayer for layer in layers):
+        window = getattr(model.config, "sliding_window", None)
+        raise ValueError(
+            f"every attention layer of {type(model).__name__} uses a sliding window "
+            f"({window} tokens), which already bounds its cache; kvpatch compresses "
+            "full-attention layers and would change nothing here"
+        )
 
 
 def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer=None) -> None:

@@ -35,6 +35,8 @@ FAMILY_FIELDS = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {},
+    "phi3": {"pad_token_id": None},  # fused q/k/v projection
+    "mistral-sliding": {"sliding_window": 64},  # every layer a sliding window
     "gemma2": {
         "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 64,
@@ -57,6 +59,8 @@ def _classes(family: str):
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "mistral-sliding": ("MistralConfig", "MistralForCausalLM"),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     }
@@ -99,9 +103,22 @@ def tiny_model(
     if key_scale != 1.0:
         with torch.no_grad():
             for module in model.modules():
-                if hasattr(module, "k_proj"):
-                    module.k_proj.weight.mul_(key_scale)
+                if _has_keys(module):
+                    _key_weight(module, config).mul_(key_scale)
     return model
+
+
+def _has_keys(module: torch.nn.Module) -> bool:
+    return hasattr(module, "k_proj") or hasattr(module, "qkv_proj")
+
+
+def _key_weight(module: torch.nn.Module, config) -> torch.Tensor:
+    """The rows of the key projection (a slice of a fused q/k/v projection)."""
+    if hasattr(module, "k_proj"):
+        return module.k_proj.weight
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    queries = config.num_attention_heads * head_dim
+    return module.qkv_proj.weight[queries : queries + config.num_key_value_heads * head_dim]
 
 
 def random_prompt(length: int, batch: int = 1, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:

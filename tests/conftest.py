@@ -7,9 +7,7 @@ import torch
 import transformers
 from hypothesis import HealthCheck, settings
 
-from kvpatch.testing import FAMILIES, random_prompt, tiny_model
-
-MODELS = FAMILIES
+from kvpatch.testing import random_prompt, tiny_model
 
 # property tests (tests/test_properties.py): a fixed set of examples by default, many more with
 # --hypothesis-profile=long

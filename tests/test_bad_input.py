@@ -156,6 +156,7 @@ CASES = [
     Case("enable", "not a model (a string)", lambda: kvpatch.enable("model"), ValueError, "causal LM"),
     Case("enable", "a non-transformers module", lambda: kvpatch.enable(torch.nn.Linear(2, 2)), ValueError, "causal LM"),
     Case("enable", "an encoder-decoder model", lambda: kvpatch.enable(_t5()), ValueError, "decoder"),
+    Case("enable", "a model whose layers all use a sliding window", lambda: kvpatch.enable(tiny_model("mistral-sliding"), "snapkv"), ValueError, "sliding window"),
     Case("enable", "a policy of the wrong type", lambda: kvpatch.enable(_model(), 3), ValueError, "string or a Policy"),
     Case("enable", "enabled twice", _twice, ValueError, "disable(model) first"),
     Case("disable", "a model never enabled", lambda: kvpatch.disable(_model()), ValueError, "not enabled"),

@@ -78,7 +78,7 @@ def test_explicit_mask_fallback_matches_oracle(policy, monkeypatch):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"])
 def test_models_match_oracle(name):
     attn = "eager" if name == "gemma2" else "sdpa"  # Gemma 2 soft-caps logits, which sdpa cannot
     model = make_model(name, attn)
