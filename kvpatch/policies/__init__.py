@@ -5,8 +5,8 @@ A policy is given as an object (``SnapKV(ratio=0.5, window=32)``) or as a string
 (default 0.5):
 ``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``. A token scorer's name
 takes the prefix ``span-`` (:class:`Spans`: a kept token brings the tokens after it), then
-``ada-`` (head-wise budgets in each layer) or ``global-`` (one budget shared by every layer and
-head): ``"ada-span-kvzip:0.75"``.
+``ada-`` (head-wise budgets in each layer), ``global-`` (one budget shared by every layer and
+head) or ``pyramid-`` (layer budgets shrinking with depth): ``"ada-span-kvzip:0.75"``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm
 from kvpatch.policies.kvzip import KVzip
 from kvpatch.policies.layer_budgets import GlobalBudgets
+from kvpatch.policies.pyramid import Pyramid
 from kvpatch.policies.random import RandomScorer
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.spans import Spans, SpanSnapKV, SpanTOVA
@@ -28,7 +29,7 @@ from kvpatch.policies.streamingllm import StreamingLLM
 from kvpatch.policies.think import ThinK
 from kvpatch.policies.tova import TOVA
 
-#: token scorers by name; each also exists as ``ada-<name>`` and ``global-<name>``
+#: token scorers by name; each also exists with every prefix of :data:`BUDGET_PREFIXES`
 TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
     cls.name: cls
     for cls in (
@@ -45,7 +46,7 @@ TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
     )
 }
 #: prefixes that share a token scorer's budget differently
-BUDGET_PREFIXES = {"ada-": AdaKV, "global-": GlobalBudgets}
+BUDGET_PREFIXES = {"ada-": AdaKV, "global-": GlobalBudgets, "pyramid-": Pyramid}
 #: channel selectors by name
 CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
 
@@ -134,6 +135,7 @@ __all__ = [
     "LayerInputs",
     "Plan",
     "Policy",
+    "Pyramid",
     "RandomScorer",
     "SnapKV",
     "SpanSnapKV",
