@@ -45,6 +45,16 @@ def test_lower_layers_keep_more_and_the_total_is_the_scorers():
     assert abs(sum(pyramid) - sum(uniform)) <= len(pyramid) * heads  # rounding, a token a head
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5])
+def test_low_ratios_fill_lower_layers_and_pass_the_rest_up(ratio):
+    """Where the pyramid would give a low layer more than its tokens, the rest goes up: the total
+    stays the scorer's (everything at ratio 0)."""
+    pyramid, _ = held_per_layer(f"pyramid-snapkv:{ratio}")
+    uniform, _ = held_per_layer(f"snapkv:{ratio}")
+    assert abs(sum(pyramid) - sum(uniform)) <= len(pyramid) * 2
+    assert max(pyramid) <= 600 * 2 and pyramid == sorted(pyramid, reverse=True)
+
+
 def test_bytes_are_the_ratios_share():
     model = four_layers()
     ids = prompt(1024)

@@ -28,10 +28,10 @@ class Pyramid(WrapsScorer, Policy):
     Every layer keeps the tokens ``scorer`` always keeps (its window, sinks); the rest of the
     uniform budget is shared among the layers along a straight line falling from the lowest layer
     to the highest, which keeps ``1 / beta`` of the average share (as in PyramidKV, where the
-    window is added to every layer). The total is ``scorer``'s, so are the bytes, except where a
-    low layer's share exceeds its tokens (ratios below about 0.5): it keeps them all and the total
-    falls short. Inside a layer every KV head keeps the same number of tokens, chosen by
-    ``scorer``. The layers wait for the end of the prefill,
+    window is added to every layer). The total is ``scorer``'s, so are the bytes: where a low
+    layer's share would exceed its tokens (ratios below about 0.5) it keeps them all and the rest
+    goes to the layers above. Inside a layer every KV head keeps the same number of tokens, chosen
+    by ``scorer``. The layers wait for the end of the prefill,
     when their number is known; alone (one layer, e.g. while decoding) it is ``scorer``.
 
     Parameters
@@ -65,20 +65,31 @@ class Pyramid(WrapsScorer, Policy):
         self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
     ) -> list[Plan]:
         must_keep = must_keep or [None] * len(inputs)
-        weights = pyramid_weights(len(inputs), self.beta)
+        scores = [
+            scores_with_rules(self.scorer.score(x), x, m)
+            for x, m in zip(inputs, must_keep, strict=True)
+        ]
+        budgets = self._budgets(inputs, scores)
         return [
-            self._plan_layer(x, m, weight)
-            for x, m, weight in zip(inputs, must_keep, weights, strict=True)
+            Plan(keep=select_top(s, budget), channels=None, full_width_from=x.num_tokens)
+            for s, budget, x in zip(scores, budgets, inputs, strict=True)
         ]
 
-    def _plan_layer(
-        self, inputs: LayerInputs, must_keep: torch.Tensor | None, weight: float
-    ) -> Plan:
-        scores = scores_with_rules(self.scorer.score(inputs), inputs, must_keep)
-        uniform = kept_count(inputs, self.ratio)  # [batch, kv_heads]
-        protected = (torch.isinf(scores) & (scores > 0)).sum(-1)
+    def _budgets(self, inputs: list[LayerInputs], scores: list[torch.Tensor]) -> torch.Tensor:
+        """Tokens each layer and head keeps, ``[layers, batch, kv_heads]``: the protected ones,
+        plus the rest of the uniform budget along the pyramid; what a layer cannot hold (it has
+        fewer tokens) goes, in equal parts, to the layers that can."""
+        uniform = torch.stack([kept_count(x, self.ratio) for x in inputs]).double()
+        tokens = torch.stack([x.head_valid.sum(-1) for x in inputs]).double()
+        protected = torch.stack([(torch.isinf(s) & (s > 0)).sum(-1) for s in scores]).double()
         floor = protected.minimum(uniform)
-        shared = torch.round((uniform - floor).double() * weight).long()
-        budget = (floor + shared).minimum(inputs.head_valid.sum(-1)).maximum(protected)
-        keep = select_top(scores, budget)
-        return Plan(keep=keep, channels=None, full_width_from=inputs.num_tokens)
+        weights = torch.tensor(pyramid_weights(len(inputs), self.beta), dtype=torch.float64)
+        budget = floor + (uniform - floor) * weights.to(uniform.device)[:, None, None]
+        for _ in inputs:  # each pass fills at least one more layer
+            excess = (budget - tokens).clamp(min=0).sum(0)
+            budget = budget.minimum(tokens)
+            room = budget < tokens
+            if not bool((excess > 0).any()) or not bool(room.any()):
+                break
+            budget = budget + room * excess / room.sum(0).clamp(min=1)
+        return torch.round(budget).long().minimum(tokens.long()).maximum(protected.long())
