@@ -22,7 +22,7 @@ import torch
 
 from kvpatch import checks, compat, replay
 from kvpatch.cache import CompressedDynamicCache, token_policy_of
-from kvpatch.patching import is_enabled, prefill_into, tokenizer_of
+from kvpatch.patching import expand_for_generate, is_enabled, prefill_into, tokenizer_of
 from kvpatch.policies import Policy
 
 
@@ -83,7 +83,9 @@ class CompressedContext:
         question_ids = self._as_batch(question_ids, "question_ids")
         ids = torch.cat([self.input_ids, question_ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question_ids)], dim=-1)
-        cache_kwarg = {compat.cache_argument(self.model): self.copy_cache()}
+        cache = self.copy_cache()
+        expand_for_generate(self.model, cache, generate_kwargs)  # beams, returned sequences
+        cache_kwarg = {compat.cache_argument(self.model): cache}
         output = self.model.generate(ids, attention_mask=mask, **cache_kwarg, **generate_kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         return sequences[:, ids.shape[-1] :]

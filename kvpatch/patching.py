@@ -256,7 +256,12 @@ def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) ->
     if mask is None:
         mask = torch.ones_like(input_ids)
     prefill_into(model, cache, input_ids[:, :-1], mask[:, :-1], tokenizer=kwargs.get("tokenizer"))
-    # generate expands its inputs for beams and returned sequences, but not a filled cache
+    expand_for_generate(model, cache, kwargs)
+
+
+def expand_for_generate(model, cache: CompressedDynamicCache, kwargs: dict) -> None:
+    """Repeat the rows of a filled ``cache`` as ``generate(**kwargs)`` will repeat its inputs,
+    for beams and returned sequences (generate does not expand a cache it is given filled)."""
     config = kwargs.get("generation_config") or model.generation_config
     setting = lambda name: kwargs.get(name) or getattr(config, name, None) or 1
     expand = max(setting("num_beams"), setting("num_return_sequences"))

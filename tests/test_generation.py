@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import make_model, prompt
 from oracle import ORACLE, evictions_of, greedy_logits, oracle_logits
+from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat
@@ -254,6 +255,38 @@ def test_decoding_time_compression_bounds_a_long_generation():
         )
     assert tokens.shape[1] == 2000 and cache.get_seq_length() == 200 + 1999
     assert max(held_per_head(cache)) <= 96 + 32
+
+
+@GENERATION_MODES
+def test_a_compressed_context_answers_with_beams_and_returned_sequences(settings):
+    """The context's cache is repeated as generate repeats the question; the oracle, prefilled
+    with the context and repeated alike, picks the same tokens."""
+    from oracle import _evictions
+
+    model = make_model("llama")
+    context_ids, question = prompt(200), prompt(6, seed=5)
+    common = dict(max_new_tokens=6, pad_token_id=0, **settings)
+    with kvpatch.enabled(model, "think:0.5+ada-snapkv:0.6"):
+        context = kvpatch.prefill(model, context_ids)
+        torch.manual_seed(7)
+        tokens = context.generate(question, **common)
+    expand = max(settings.get("num_beams", 1), settings.get("num_return_sequences", 1))
+    name = compat.cache_argument(model)
+    implementation = compat.attention_implementation(model)
+    _evictions.update(evictions_of(context.cache))
+    model.set_attn_implementation(ORACLE)
+    try:
+        oracle_cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(context_ids, use_cache=True, **{name: oracle_cache})
+        oracle_cache.batch_repeat_interleave(expand)
+        torch.manual_seed(7)
+        ids = torch.cat([context_ids, question], dim=-1)
+        expected = model.generate(ids, **common, **{name: oracle_cache})[:, ids.shape[1] :]
+    finally:
+        model.set_attn_implementation(implementation)
+        _evictions.clear()
+    assert torch.equal(tokens, expected)
 
 
 def test_decode_budget_needs_a_token_policy():
