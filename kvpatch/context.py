@@ -154,7 +154,7 @@ def compress_appended(
         return logits
     policy = layers[0].policy
     if token_policy_of(policy).needs_replay:
-        tail_start = layers[0].tail_start
+        tail_start = layers[0].store.tail_start
         prompts = replay.RepeatPrompts(tokenizer_of(model, tokenizer), input_ids.device)
         scorer = replay.replay_scorer(policy)
         replay.reconstruct(model, cache, input_ids, attention_mask, prompts, scorer, tail_start)

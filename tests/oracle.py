@@ -39,7 +39,7 @@ def evictions_of(cache) -> dict[int, Eviction]:
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, CompressedLayer) or not layer.is_compressed:
             continue
-        packed, start = layer.packed, layer.tail_start
+        packed, start = layer.packed, layer.store.tail_start
         keep = packed.kept_mask(layer.seen)  # positions seen, some decoded after
         keep[..., start:] = True
         channel_keep = None

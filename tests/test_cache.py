@@ -152,4 +152,4 @@ def test_plan_that_keeps_everything_at_full_width():
 
     reference, _ = greedy_logits(model, prompt(50), DynamicCache(config=model.config), 3)
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
-    assert cache.layers[0].tail_start == 0 and cache.get_seq_length() == 53
+    assert cache.layers[0].store.tail_start == 0 and cache.get_seq_length() == 53

@@ -246,6 +246,34 @@ def test_decoding_time_compression_matches_oracle(policy):
     torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=0)
 
 
+def test_tova_as_published_evicts_one_token_a_step_at_constant_memory():
+    """TOVA with a fixed budget: from the first decoding step on, each step drops the token the
+    newest query (averaged over heads) attends to least. Every step matches the oracle with that
+    step's evictions, over 200 steps, and the bytes allocated stop growing at the budget."""
+    model = make_model("llama", "eager")
+    ids = prompt(150)
+    budget, steps = 128, 200
+    name = compat.cache_argument(model)
+    schedule, logits, fed, held_bytes = {}, [], [], []
+    with kvpatch.enabled(model, "tova:0"), torch.no_grad():
+        cache = CompressedDynamicCache(config=model.config, decode_budget=budget, decode_interval=1)
+        out = model(ids, **{name: cache})
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            fed.append(logits[-1].argmax(-1, keepdim=True))
+            out = model(fed[-1], **{name: cache})
+            schedule[cache.get_seq_length()] = evictions_of(cache)
+            assert max(held_per_head(cache)) <= budget + 1
+            held_bytes.append(cache.nbytes())
+        logits.append(out.logits[:, -1])
+    expected = oracle_logits(model, ids, {}, torch.cat(fed, 1), schedule=schedule)
+    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=0)
+    assert max(held_bytes[100:]) == max(held_bytes[1:100])
+    config = model.config
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert max(held_bytes) <= 1.05 * (budget + 1) * per_token  # keys, values and bookkeeping
+
+
 def test_decoding_time_compression_bounds_a_long_generation():
     model = make_model("llama")
     with kvpatch.enabled(model, "snapkv:0.5"):

@@ -13,11 +13,27 @@ CHUNK = 128
 
 
 class GrowingBuffer:
-    """Storage whose first ``length`` positions along dim 2 hold data."""
+    """Storage whose first ``length`` positions along dim 2 hold data.
 
-    def __init__(self, data: torch.Tensor):
+    ``reserve``: grow by exactly that many positions at a time (a bounded cache, which compresses
+    every ``reserve`` tokens, then never holds spare room beyond them); None: by
+    ``max(CHUNK, length / 8)``.
+    """
+
+    def __init__(self, data: torch.Tensor, reserve: int | None = None):
         self.data = data
         self.length = data.shape[2]
+        self.reserve = reserve
+
+    @classmethod
+    def copy_of(cls, data: torch.Tensor, reserve: int | None = None) -> GrowingBuffer:
+        """A buffer holding a copy of ``data``, with room for ``reserve`` more positions."""
+        b, h, length, d = data.shape
+        storage = data.new_empty(b, h, length + (reserve or 0), d)
+        storage[:, :, :length] = data
+        buffer = cls(storage, reserve)
+        buffer.length = length
+        return buffer
 
     def view(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
@@ -25,7 +41,8 @@ class GrowingBuffer:
     def append(self, states: torch.Tensor) -> None:
         end = self.length + states.shape[2]
         if end > self.data.shape[2]:
-            capacity = end + max(CHUNK, end // 8)
+            spare = max(CHUNK, end // 8) if self.reserve is None else self.reserve
+            capacity = end + spare
             grown = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[3])
             grown[:, :, : self.length] = self.view()
             self.data = grown
@@ -36,7 +53,7 @@ class GrowingBuffer:
         self.length = length
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.data = self.view()[rows]
+        self.data = self.view()[rows]  # advanced indexing copies the held positions only
 
     def to(self, device: torch.device | str) -> None:
         self.data = self.data.to(device, non_blocking=True)

@@ -171,11 +171,14 @@ class CompressedLayer(DynamicLayer):
         if plan is None:
             plan = policy.plan(inputs)
         plan.check(inputs)
-        self.store = CompressedStore.from_plan(self.keys, self.values, plan, inputs.head_valid)
+        reserve = None if decode_budget is None else decode_budget.interval
+        self.store = CompressedStore.from_plan(
+            self.keys, self.values, plan, inputs.head_valid, reserve
+        )
         self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)
         self._expose_tail()
         if decode_budget is not None:
-            self.recent_queries = recompress.recent(None, inputs.queries)
+            self.recent_queries = recompress.recent(None, inputs.queries, policy.query_window)
 
     def defer(
         self, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None = None
@@ -207,7 +210,9 @@ class CompressedLayer(DynamicLayer):
                 queries if previous is None else torch.cat([previous, queries], -2)
             )
         if self.setup.decode_budget is not None:
-            self.recent_queries = recompress.recent(self.recent_queries, queries)
+            self.recent_queries = recompress.recent(
+                self.recent_queries, queries, self.setup.policy.query_window
+            )
 
     # -- a segment appended after the compression (a chat turn) ---------------------------------
 
@@ -272,10 +277,6 @@ class CompressedLayer(DynamicLayer):
         if self.deferred is not None:
             return self.deferred.policy
         return None if self.setup is None else self.setup.policy
-
-    @property
-    def tail_start(self) -> int:
-        return 0 if self.store is None else self.store.tail_start
 
     def physical_lengths(self) -> torch.Tensor | None:
         """Tokens held per (batch row, KV head), or None before the first update."""

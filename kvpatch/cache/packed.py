@@ -73,10 +73,12 @@ class PackedKV:
         channels: torch.Tensor | None,
         positions: torch.Tensor,
         length: int,
+        as_list: bool = False,
     ) -> PackedKV:
         """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values;
         ``positions`` ``[batch, kv_heads, slots]`` are the slots' logical positions, all below
-        ``length``."""
+        ``length``. ``as_list``: record them as a list whatever its size (a bounded cache, whose
+        record then stays the same size however long it decodes)."""
         b, h, slots, d = keys.shape
         if channels is not None:
             keys = keys.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
@@ -85,7 +87,7 @@ class PackedKV:
             values=values[keep],
             lengths=keep.sum(-1),
             channels=channels,
-            record=_record(keep, positions, length),
+            record=_record(keep, positions, length, as_list),
             head_dim=d,
         )
 
@@ -238,12 +240,14 @@ class PackedKV:
         )
 
 
-def _record(keep: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-    """The record of which positions ``keep`` holds (see :class:`PackedKV`), in its smaller
-    form."""
+def _record(
+    keep: torch.Tensor, positions: torch.Tensor, length: int, as_list: bool
+) -> torch.Tensor:
+    """The record of which positions ``keep`` holds (see :class:`PackedKV`): a list if asked,
+    else in its smaller form."""
     b, h, _ = keep.shape
     kept = positions[keep]
-    if 4 * kept.numel() < b * h * length:
+    if as_list or 4 * kept.numel() < b * h * length:
         return kept.to(torch.int32)
     mask = torch.zeros(b * h, length, dtype=torch.bool, device=keep.device)
     heads = torch.arange(b * h, device=keep.device).view(b, h, 1).expand_as(keep)[keep]

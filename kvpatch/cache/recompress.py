@@ -132,12 +132,14 @@ def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
         )
 
 
-def recent(previous: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor:
-    """The last :data:`RECENT_QUERIES` of ``previous`` followed by ``queries`` (a copy, so that
-    the model's query tensor is not kept alive)."""
+def recent(
+    previous: torch.Tensor | None, queries: torch.Tensor, window: int = RECENT_QUERIES
+) -> torch.Tensor:
+    """The last ``window`` of ``previous`` followed by ``queries`` (a copy, so that the model's
+    query tensor is not kept alive)."""
     if previous is not None:
         queries = torch.cat([previous, queries], dim=-2)
-    return queries[..., -RECENT_QUERIES:, :].clone()
+    return queries[..., -window:, :].clone()
 
 
 def over_decode_budget(store: CompressedStore, budget: DecodeBudget | None) -> bool:
@@ -160,7 +162,8 @@ def compress_to_budget(
     )  # fmt: skip
     must_keep = setup.full_width_window(store, keys.shape[2])
     keep = token_policy_of(setup.policy).plan(inputs, must_keep=must_keep).keep
-    return store.repacked(keep & valid, setup.full_width(store), (keys, values))
+    reserve = setup.decode_budget.interval  # room for the tokens until the next compression
+    return store.repacked(keep & valid, setup.full_width(store), (keys, values), reserve)
 
 
 def segment_inputs(

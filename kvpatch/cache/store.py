@@ -34,6 +34,8 @@ class CompressedStore:
     tail_keys, tail_values : ``[batch, kv_heads, tail, dim]``, the tokens from ``tail_start`` on.
     tail_start : logical position of the first tail token.
     tail_valid : bool ``[batch, tail]``, False for padding.
+    reserve : room for this many appended tokens in the tail's buffer, which then grows by as
+        many at a time (a decode budget's interval); None: spare room as the buffer grows.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class CompressedStore:
         tail_values: torch.Tensor,
         tail_start: int,
         tail_valid: torch.Tensor,
+        reserve: int | None = None,
     ):
         b, h = packed.lengths.shape
         self.key_norm_bound = packed.max_key_norms()  # [batch, kv_heads], for fake keys
@@ -54,22 +57,27 @@ class CompressedStore:
             tail_values = torch.cat([dense_values, tail_values], dim=-2)
             packed = packed.without_data()
         self.packed = packed
-        self.keys = GrowingBuffer(tail_keys.contiguous().clone())
-        self.values = GrowingBuffer(tail_values.contiguous().clone())
+        self.keys = GrowingBuffer.copy_of(tail_keys, reserve)
+        self.values = GrowingBuffer.copy_of(tail_values, reserve)
         self.tail_start = tail_start
         self.tail_valid = tail_valid.clone()
         self._bound_key_norms(self.keys.view())
 
     @classmethod
     def from_plan(
-        cls, keys: torch.Tensor, values: torch.Tensor, plan: Plan, valid: torch.Tensor
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        plan: Plan,
+        valid: torch.Tensor,
+        reserve: int | None = None,
     ) -> CompressedStore:
         """What ``plan`` keeps of a prefill's ``keys``/``values``; ``valid`` ``[batch, kv_heads,
         tokens]`` marks its real tokens."""
         start = plan.full_width_from
         packed = PackedKV.from_plan(keys, values, plan)
         tail_keys, tail_values = keys[..., start:, :], values[..., start:, :]
-        return cls(packed, tail_keys, tail_values, start, valid[:, 0, start:])
+        return cls(packed, tail_keys, tail_values, start, valid[:, 0, start:], reserve)
 
     # -- lengths -------------------------------------------------------------------------------
 
@@ -130,6 +138,7 @@ class CompressedStore:
         keep: torch.Tensor,
         full_width: int,
         dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+        reserve: int | None = None,
     ) -> CompressedStore:
         """A new store holding the ``keep`` slots ``[batch, kv_heads, slots]`` of :meth:`dense`
         (pass it if already built); the last ``full_width`` tokens (a channel policy's window)
@@ -146,11 +155,11 @@ class CompressedStore:
             self.packed.channels,
             self.slot_positions()[..., :cut],
             tail_start,
+            as_list=reserve is not None,  # a bounded cache: a record that does not grow
         )
         tail_valid = self.tail_valid[:, self.tail_length - full_width :]
-        return CompressedStore(
-            packed, keys[..., cut:, :], values[..., cut:, :], tail_start, tail_valid
-        )
+        tail_keys, tail_values = keys[..., cut:, :], values[..., cut:, :]
+        return CompressedStore(packed, tail_keys, tail_values, tail_start, tail_valid, reserve)
 
     def _bound_key_norms(self, keys: torch.Tensor) -> None:
         if keys.shape[-2]:

@@ -25,12 +25,21 @@ from kvpatch.policies.contract import (
     select_top,
 )
 
+#: recent queries kept for compressing again while decoding, unless a policy needs fewer
+DEFAULT_QUERY_WINDOW = 64
+
 
 class Policy(ABC):
     """Anything that turns one layer's prefill into a :class:`Plan`."""
 
     #: fraction of the cache removed; every policy has one
     ratio: float
+
+    @property
+    def query_window(self) -> int:
+        """How many of the newest queries :meth:`plan` reads when the cache compresses again
+        while decoding (the cache keeps no more of them)."""
+        return DEFAULT_QUERY_WINDOW
 
     @property
     def protected_tokens(self) -> int:
@@ -108,6 +117,10 @@ class WrapsScorer:
     def needs_replay(self) -> bool:
         return self.scorer.needs_replay
 
+    @property
+    def query_window(self) -> int:
+        return self.scorer.query_window
+
 
 class ChannelSelector(Policy):
     """A policy that prunes key channels; it keeps every (real) token.
@@ -178,6 +191,10 @@ class Composed(Policy):
     @property
     def needs_all_layers(self) -> bool:
         return self.tokens.needs_all_layers
+
+    @property
+    def query_window(self) -> int:
+        return self.tokens.query_window
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         return self.plan_layers([inputs], [must_keep])[0]

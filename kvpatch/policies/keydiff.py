@@ -31,6 +31,10 @@ class KeyDiff(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
 
+    @property
+    def query_window(self) -> int:
+        return 1  # reads no query; one keeps the positions known
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         keys = F.normalize(inputs.keys.float(), dim=-1)  # [b, h, t, d]
         valid = inputs.head_valid[..., None].float()

@@ -28,5 +28,9 @@ class Knorm(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
 
+    @property
+    def query_window(self) -> int:
+        return 1  # reads no query; one keeps the positions known
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         return -inputs.keys.float().norm(dim=-1)

@@ -29,6 +29,10 @@ class RandomScorer(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
 
+    @property
+    def query_window(self) -> int:
+        return 1  # reads no query; one keeps the positions known
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         # one draw per (head, real-token rank): a row scores the same alone or padded in a batch
         generator = torch.Generator().manual_seed(self.seed + inputs.layer_idx)

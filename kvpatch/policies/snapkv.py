@@ -43,6 +43,10 @@ class SnapKV(TokenScorer):
     def protected_tokens(self) -> int:
         return self.window
 
+    @property
+    def query_window(self) -> int:
+        return self.window
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         attention = inputs.window_attention(self.window)  # [b, h, g, w, t]
         b, h, g, w, t = attention.shape

@@ -36,6 +36,10 @@ class StreamingLLM(TokenScorer):
     def protected_tokens(self) -> int:
         return self.n_sink
 
+    @property
+    def query_window(self) -> int:
+        return 1  # reads no query; one keeps the positions known
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         valid = inputs.head_valid
         rank = valid.long().cumsum(-1) - 1  # position among the head's real tokens

@@ -32,6 +32,10 @@ class TOVA(TokenScorer):
     def protected_tokens(self) -> int:
         return 1
 
+    @property
+    def query_window(self) -> int:
+        return 1
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         attention = inputs.window_attention(1)[..., 0, :]  # [b, h, g, t]
         scores = attention.mean(dim=(1, 2), keepdim=True).squeeze(2)  # [b, 1, t]
