@@ -30,16 +30,20 @@ class _Recorder(Policy):
 
     def plan(self, inputs: LayerInputs, must_keep=None) -> Plan:
         self.inputs[inputs.layer_idx] = inputs
-        # everything packed (a plan with full_width_from=0 fails in CompressedLayer._store)
+        # everything packed: the recorded inputs are what later plans see
         everything = inputs.head_valid.clone()
         return Plan(keep=everything, channels=None, full_width_from=inputs.num_tokens)
 
 
 @dataclass
 class SharedPrefill:
-    """One exact prefill of a sample: every layer's queries, keys and values, and the logits of
-    its last token. The prefill of a causal model does not depend on what is evicted afterwards,
-    so every policy's cache can be built from it, for the whole prompt or any prefix of it."""
+    """One exact prefill of a context: every layer's queries, keys and values, and the logits of
+    its last token; :meth:`cache` builds any policy's cache from it, for the whole context or any
+    prefix of it, as that policy's own prefill would have.
+
+    >>> shared = kvpatch.SharedPrefill.run(model, ids)
+    >>> caches = {p: shared.cache(model, p) for p in ("snapkv:0.75", "ada-snapkv:0.75")}
+    """
 
     inputs: dict[int, LayerInputs]
     logits: torch.Tensor
