@@ -41,12 +41,17 @@ def answer(context, question_ids, codec) -> str:
     return codec.decode(tokens[0].tolist()).strip()
 
 
-def full_answer(model, sample, codec) -> str:
-    """The answer of the uncompressed model (a ``DynamicCache``), for comparison."""
+def full_answer(model, sample, codec, policy: str) -> str:
+    """The answer of the uncompressed model (a ``DynamicCache``), for comparison: an enabled
+    model refuses a cache it cannot compress, so kvpatch is turned off meanwhile."""
     ids = sample.input_ids[None]
     cache = {kvpatch.compat.cache_argument(model): DynamicCache(config=model.config)}
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, **cache)
+    kvpatch.disable(model)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, **cache)
+    finally:
+        kvpatch.enable(model, policy, tokenizer=codec.tokenizer)
     return codec.decode(out[0, ids.shape[1] :].tolist()).strip()
 
 
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     for sample in samples:
         said = answer(document, sample.question_ids, codec)
         print(f"   expected {sample.answers[0]}: compressed {said!r}, full cache", end=" ")
-        print(repr(full_answer(model, sample, codec)))
+        print(repr(full_answer(model, sample, codec, args.policy)))
     held, full = document.cache.nbytes(), full_cache_bytes(model, samples[0].context_ids)
     print(f"   KV held: {held / 2**20:.1f} MB of {full / 2**20:.1f} MB ({held / full:.0%})")
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         chat = chat.extend(ids[start:end])
     said = answer(chat, chat_sample.question_ids, codec)
     print(f"   asked about an earlier turn, expected {chat_sample.answers[0]}: compressed", end=" ")
-    print(f"{said!r}, full cache {full_answer(model, chat_sample, codec)!r}")
+    print(f"{said!r}, full cache {full_answer(model, chat_sample, codec, args.policy)!r}")
     held, full = chat.cache.nbytes(), full_cache_bytes(model, ids)
     print(f"   KV held: {held / 2**20:.1f} MB of {full / 2**20:.1f} MB ({held / full:.0%})")
     kvpatch.disable(model)
