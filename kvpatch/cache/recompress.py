@@ -16,9 +16,10 @@ import torch
 
 from kvpatch.cache.store import CompressedStore
 from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Policy
+from kvpatch.policies.base import DEFAULT_QUERY_WINDOW
 
-#: queries kept per layer for decoding-time compression (SnapKV's default window)
-RECENT_QUERIES = 64
+#: queries kept by default for compressing again (a policy may read fewer: ``query_window``)
+RECENT_QUERIES = DEFAULT_QUERY_WINDOW
 
 
 @dataclass(frozen=True)
