@@ -99,6 +99,17 @@ class WrapsScorer:
 
     scorer: TokenScorer
 
+    def _rule_scores(
+        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None
+    ) -> list[torch.Tensor]:
+        """The scorer's scores of every layer, with the shared rules applied (padding never
+        kept, ``must_keep`` always)."""
+        must_keep = must_keep or [None] * len(inputs)
+        return [
+            scores_with_rules(self.scorer.score(x), x, m)
+            for x, m in zip(inputs, must_keep, strict=True)
+        ]
+
     def _check_scorer(self) -> None:
         if not isinstance(self.scorer, TokenScorer):
             raise ValueError(

@@ -172,5 +172,9 @@ def scores_with_rules(
 def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:
     """Tokens per head ``[batch, kv_heads]``: the ratio's budget, raised to cover every token
     that must be kept."""
-    protected = torch.isinf(scores) & (scores > 0)
-    return torch.maximum(kept_count(inputs, ratio), protected.sum(-1))
+    return torch.maximum(kept_count(inputs, ratio), protected_count(scores))
+
+
+def protected_count(scores: torch.Tensor) -> torch.Tensor:
+    """Tokens per head that must be kept (a score of ``+inf``), ``[batch, kv_heads]``."""
+    return (torch.isinf(scores) & (scores > 0)).sum(-1)

@@ -13,7 +13,6 @@ from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
     budget_per_head,
-    scores_with_rules,
     select_top,
 )
 
@@ -54,11 +53,7 @@ class GlobalBudgets(WrapsScorer, Policy):
     def plan_layers(
         self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
     ) -> list[Plan]:
-        must_keep = must_keep or [None] * len(inputs)
-        scores = [
-            scores_with_rules(self.scorer.score(x), x, m)
-            for x, m in zip(inputs, must_keep, strict=True)
-        ]
+        scores = self._rule_scores(inputs, must_keep)
         pairs = zip(scores, inputs, strict=True)
         budget = sum(budget_per_head(s, x, self.ratio).sum(-1) for s, x in pairs)  # [batch]
         shapes = [s.shape for s in scores]

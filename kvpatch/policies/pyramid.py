@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import Policy, TokenScorer, WrapsScorer
-from kvpatch.policies.contract import LayerInputs, Plan, kept_count, scores_with_rules, select_top
+from kvpatch.policies.contract import LayerInputs, Plan, kept_count, protected_count, select_top
 
 
 def pyramid_weights(layers: int, beta: float) -> list[float]:
@@ -64,11 +64,7 @@ class Pyramid(WrapsScorer, Policy):
     def plan_layers(
         self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
     ) -> list[Plan]:
-        must_keep = must_keep or [None] * len(inputs)
-        scores = [
-            scores_with_rules(self.scorer.score(x), x, m)
-            for x, m in zip(inputs, must_keep, strict=True)
-        ]
+        scores = self._rule_scores(inputs, must_keep)
         budgets = self._budgets(inputs, scores)
         return [
             Plan(keep=select_top(s, budget), channels=None, full_width_from=x.num_tokens)
@@ -81,7 +77,7 @@ class Pyramid(WrapsScorer, Policy):
         fewer tokens) goes, in equal parts, to the layers that can."""
         uniform = torch.stack([kept_count(x, self.ratio) for x in inputs]).double()
         tokens = torch.stack([x.head_valid.sum(-1) for x in inputs]).double()
-        protected = torch.stack([(torch.isinf(s) & (s > 0)).sum(-1) for s in scores]).double()
+        protected = torch.stack([protected_count(s) for s in scores]).double()
         floor = protected.minimum(uniform)
         weights = torch.tensor(pyramid_weights(len(inputs), self.beta), dtype=torch.float64)
         budget = floor + (uniform - floor) * weights.to(uniform.device)[:, None, None]
