@@ -222,14 +222,12 @@ def held_per_head(cache):
     return [float(n.float().mean(-1).max()) for n in cache.physical_lengths()]
 
 
-@pytest.mark.parametrize("policy", ["ada-snapkv:0.5", "think:0.5+knorm:0.5", "streamingllm"])
-def test_decoding_time_compression_matches_oracle(policy):
-    """Evictions change while decoding; every step matches the oracle with that step's evictions."""
-    model = make_model("llama")
-    ids = prompt(200)
-    budget, interval, steps = 80, 16, 60
+def decode_against_schedule(model, ids, policy, budget, interval, steps):
+    """Greedy decoding one forward a step on a budgeted cache; returns the logits of every step,
+    the tokens fed, the evictions in force at each key length, the bytes after each step and the
+    most tokens a head held."""
     name = compat.cache_argument(model)
-    schedule, logits, fed = {}, [], []
+    schedule, logits, fed, held_bytes, most = {}, [], [], [], 0
     with kvpatch.enabled(model, policy), torch.no_grad():
         cache = CompressedDynamicCache(
             config=model.config, decode_budget=budget, decode_interval=interval
@@ -240,10 +238,24 @@ def test_decoding_time_compression_matches_oracle(policy):
             fed.append(logits[-1].argmax(-1, keepdim=True))
             out = model(fed[-1], **{name: cache})
             schedule[cache.get_seq_length()] = evictions_of(cache)
-            assert max(held_per_head(cache)) <= budget + interval
+            most = max(most, *held_per_head(cache))
+            held_bytes.append(cache.nbytes())
         logits.append(out.logits[:, -1])
-    expected = oracle_logits(model, ids, {}, torch.cat(fed, 1), schedule=schedule)
-    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=0)
+    return torch.stack(logits), torch.cat(fed, 1), schedule, held_bytes, most
+
+
+@pytest.mark.parametrize("policy", ["ada-snapkv:0.5", "think:0.5+knorm:0.5", "streamingllm"])
+def test_decoding_time_compression_matches_oracle(policy):
+    """Evictions change while decoding; every step matches the oracle with that step's evictions."""
+    model = make_model("llama")
+    ids = prompt(200)
+    budget, interval = 80, 16
+    logits, fed, schedule, _, most = decode_against_schedule(
+        model, ids, policy, budget, interval, steps=60
+    )
+    assert most <= budget + interval
+    expected = oracle_logits(model, ids, {}, fed, schedule=schedule)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
 def test_tova_as_published_evicts_one_token_a_step_at_constant_memory():
@@ -252,22 +264,13 @@ def test_tova_as_published_evicts_one_token_a_step_at_constant_memory():
     step's evictions, over 200 steps, and the bytes allocated stop growing at the budget."""
     model = make_model("llama", "eager")
     ids = prompt(150)
-    budget, steps = 128, 200
-    name = compat.cache_argument(model)
-    schedule, logits, fed, held_bytes = {}, [], [], []
-    with kvpatch.enabled(model, "tova:0"), torch.no_grad():
-        cache = CompressedDynamicCache(config=model.config, decode_budget=budget, decode_interval=1)
-        out = model(ids, **{name: cache})
-        for _ in range(steps):
-            logits.append(out.logits[:, -1])
-            fed.append(logits[-1].argmax(-1, keepdim=True))
-            out = model(fed[-1], **{name: cache})
-            schedule[cache.get_seq_length()] = evictions_of(cache)
-            assert max(held_per_head(cache)) <= budget + 1
-            held_bytes.append(cache.nbytes())
-        logits.append(out.logits[:, -1])
-    expected = oracle_logits(model, ids, {}, torch.cat(fed, 1), schedule=schedule)
-    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=0)
+    budget = 128
+    logits, fed, schedule, held_bytes, most = decode_against_schedule(
+        model, ids, "tova:0", budget, interval=1, steps=200
+    )
+    assert most <= budget + 1
+    expected = oracle_logits(model, ids, {}, fed, schedule=schedule)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     assert max(held_bytes[100:]) == max(held_bytes[1:100])
     config = model.config
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
