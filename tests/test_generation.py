@@ -76,11 +76,11 @@ def run_oracle_generate(model, ids, cache, **kwargs):
 
     implementation = compat.attention_implementation(model)
     _evictions.update(evictions_of(cache))
-    model.set_attn_implementation(ORACLE)
+    compat.set_attention_implementation(model, ORACLE)
     try:
         return generate(model, ids, **kwargs)
     finally:
-        model.set_attn_implementation(implementation)
+        compat.set_attention_implementation(model, implementation)
         _evictions.clear()
 
 
