@@ -25,6 +25,7 @@ from kvpatch.policies import (
     SpanTOVA,
     StreamingLLM,
     ThinK,
+    ThinKValues,
     parse_policy,
     policy_names,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "Spans",
     "StreamingLLM",
     "ThinK",
+    "ThinKValues",
     "cache_nbytes",
     "disable",
     "enable",

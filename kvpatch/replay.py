@@ -19,8 +19,8 @@ import torch
 from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer, ReplayChunk
 from kvpatch.policies import Composed, KVzip, Policy
-from kvpatch.policies.base import WrapsScorer
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
+from kvpatch.policies.wraps import WrapsScorer
 
 
 def finish_prefill(

@@ -2,8 +2,8 @@
 
 The oracle runs the unpatched model on a full ``DynamicCache`` with an attention function of its
 own: after the prefill, a query may not attend to the (row, head, token) keys the compressed cache
-evicted, and the pruned key channels of the compressed tokens read as zero. Nothing here uses
-kvpatch's attention code.
+evicted, and the pruned key and value channels of the compressed tokens read as zero. Nothing here
+uses kvpatch's attention code.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class Eviction:
     keep: torch.Tensor  # [batch, kv_heads, prefill] bool
     channel_keep: torch.Tensor | None  # [batch, kv_heads, head_dim] bool
     full_width_from: int
+    value_channel_keep: torch.Tensor | None = None  # [batch, kv_heads, v_head_dim] bool
 
 
 _evictions: dict[int, Eviction] = {}
@@ -42,13 +43,18 @@ def evictions_of(cache) -> dict[int, Eviction]:
         packed, start = layer.packed, layer.store.tail_start
         keep = packed.kept_mask(layer.seen)  # positions seen, some decoded after
         keep[..., start:] = True
-        channel_keep = None
-        if packed.channels is not None:
-            b, h, _ = keep.shape
-            channel_keep = torch.zeros(b, h, packed.head_dim, dtype=torch.bool, device=keep.device)
-            channel_keep.scatter_(-1, packed.channels, True)
-        out[idx] = Eviction(keep, channel_keep, start)
+        channel_keep = _channel_mask(packed.channels, keep.shape[:2], packed.head_dim)
+        values_keep = _channel_mask(packed.value_channels, keep.shape[:2], packed.value_dim)
+        out[idx] = Eviction(keep, channel_keep, start, values_keep)
     return out
+
+
+def _channel_mask(channels: torch.Tensor | None, heads, width: int) -> torch.Tensor | None:
+    """``channels`` ``[batch, kv_heads, kept]`` as a bool mask over ``width`` channels."""
+    if channels is None:
+        return None
+    mask = torch.zeros(*heads, width, dtype=torch.bool, device=channels.device)
+    return mask.scatter_(-1, channels, True)
 
 
 def oracle_attention(
@@ -56,15 +62,17 @@ def oracle_attention(
 ):
     batch, kv_heads, length, dim = key.shape
     group = query.shape[1] // kv_heads
-    keys, values = key.double().clone(), value.double()
+    keys, values = key.double().clone(), value.double().clone()
     allowed = torch.ones(batch, kv_heads, length, dtype=torch.bool, device=key.device)
     eviction = _schedule.get(length, _evictions).get(module.layer_idx)
     if eviction is not None and length > query.shape[2]:  # decoding after the prefill
         known = min(length, eviction.keep.shape[-1])
         allowed[..., :known] = eviction.keep[..., :known]
+        start = eviction.full_width_from
         if eviction.channel_keep is not None:
-            start = eviction.full_width_from
             keys[..., :start, :] *= eviction.channel_keep[:, :, None, :].double()
+        if eviction.value_channel_keep is not None:
+            values[..., :start, :] *= eviction.value_channel_keep[:, :, None, :].double()
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     allowed = allowed.repeat_interleave(group, dim=1)

@@ -63,7 +63,15 @@ def ids_on(flash: Flash, ids: torch.Tensor) -> torch.Tensor:
     return ids.to(flash.device)
 
 
-@pytest.mark.parametrize("policy", ["snapkv:0.5", "ada-snapkv:0.6", "think:0.5+ada-knorm:0.5"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "snapkv:0.5",
+        "ada-snapkv:0.6",
+        "think:0.5+ada-knorm:0.5",
+        "think:0.5+think-v:0.25+ada-snapkv:0.5",
+    ],
+)
 def test_flash_attention_matches_oracle(flash, policy):
     model = flash.model()
     ids = ids_on(flash, prompt(400))

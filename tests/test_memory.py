@@ -58,6 +58,7 @@ def prefill(model, cache):
         ("think:0.5", 0.75),
         ("think:0.5+snapkv:0.5", 0.375),
         ("think:0.5+ada-snapkv:0.5", 0.375),
+        ("think-v:0.5", 0.75),
     ],
 )
 def test_bytes_after_prefill(policy, kept, dtype):

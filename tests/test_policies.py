@@ -311,9 +311,10 @@ def test_grammar_rejects_bad_ratios(ratio):
     [
         ("snapkv+", "empty term"),
         ("+think", "empty term"),
-        ("think+snapkv+tova", "3 terms"),
+        ("think+think-v+snapkv+tova", "4 terms"),
         ("snapkv+tova", "one token policy"),
-        ("think+think", "one channel policy"),
+        ("think+think", "one key-channel policy"),
+        ("think-v+snapkv+think-v", "one value-channel policy"),
         ("ada-think", "ada-think"),
     ],
 )

@@ -23,7 +23,8 @@ from kvpatch.testing import random_prompt, tiny_model
 
 pytestmark = pytest.mark.properties
 
-TOKEN_POLICIES = [name for name in kvpatch.policy_names() if name != "think"]
+CHANNEL_POLICIES = ("think", "think-v")
+TOKEN_POLICIES = [name for name in kvpatch.policy_names() if name not in CHANNEL_POLICIES]
 QUERY_HEADS = 4
 _models: dict[tuple[int, str], torch.nn.Module] = {}
 
@@ -47,11 +48,19 @@ ratios = st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.6, 0.75, 0.9])
 
 @st.composite
 def policy_strings(draw) -> str:
-    """A token policy, alone or after a ThinK term, or ThinK alone, each with its own ratio."""
-    kind = draw(st.sampled_from(["tokens", "think+tokens", "think"]))
-    token = f"{draw(st.sampled_from(TOKEN_POLICIES))}:{draw(ratios)}"
-    think = f"think:{draw(ratios)}"
-    return {"tokens": token, "think+tokens": f"{think}+{token}", "think": think}[kind]
+    """Any composition the grammar accepts: a token policy, a key-channel term (think) and a
+    value-channel term (think-v), each present or not (at least one), each with its own ratio."""
+    parts = draw(
+        st.sampled_from(
+            [(1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+        )
+    )
+    terms = [
+        f"think:{draw(ratios)}" if parts[1] else None,
+        f"think-v:{draw(ratios)}" if parts[2] else None,
+        f"{draw(st.sampled_from(TOKEN_POLICIES))}:{draw(ratios)}" if parts[0] else None,
+    ]
+    return "+".join(t for t in terms if t is not None)
 
 
 @st.composite
@@ -160,14 +169,16 @@ def test_bytes_are_the_policys_share_of_the_real_tokens(policy, batch, kv_heads)
     """After the prefill the cache holds ``1 - ratio`` of the bytes a full cache needs for the
     real (unpadded) tokens, up to the tokens a policy always keeps (its window or sinks): a
     token ratio ``r`` keeps ``1 - r`` of the tokens, a ThinK ratio ``c`` removes ``floor(c * d)``
-    of the ``d`` key channels (half the bytes of a token are its keys)."""
+    of the ``d`` key channels (half the bytes of a token are its keys), a ThinK-V ratio as many
+    value channels."""
     ids, mask = batch
     terms = dict(term.split(":") for term in policy.split("+"))
-    channel_ratio = float(terms.pop("think", 0))
+    key_ratio, value_ratio = float(terms.pop("think", 0)), float(terms.pop("think-v", 0))
     token_ratio = float(next(iter(terms.values()), 0))
     config = model_with(kv_heads, "sdpa").config
     d = config.head_dim
-    kept = (1 - token_ratio) * (1 - math.floor(d * channel_ratio) / (2 * d))
+    pruned = (math.floor(d * key_ratio) + math.floor(d * value_ratio)) / (2 * d)
+    kept = (1 - token_ratio) * (1 - pruned)
     parsed = kvpatch.parse_policy(policy)
     always = max(parsed.protected_tokens, getattr(parsed, "window", 0))
     protected = always / int(mask.sum(-1).min())  # share of the tokens kept regardless

@@ -8,7 +8,7 @@ kept channels of their head.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -39,14 +39,16 @@ class PackedKV:
     ----------
     keys : ``[total_kept, kept_channels]``, or None when the layer keeps them elsewhere (uniform
         full-width heads are stored as one dense block with the tail)
-    values : ``[total_kept, v_head_dim]``, or None likewise
+    values : ``[total_kept, kept_value_channels]``, or None likewise
     lengths : long ``[batch, kv_heads]``, tokens held by each head
-    channels : long ``[batch, kv_heads, kept_channels]`` or None when every channel is kept
+    channels : long ``[batch, kv_heads, kept_channels]`` or None when every key channel is kept
     record : which logical positions the packed tokens are, in the smaller of two forms: a bool
         ``[batch, kv_heads, length]`` mask over the compressed range (1 byte a position seen), or
         the int32 ``[total_kept]`` position of each packed token (4 bytes a token kept). A long
         generation with a decode budget sees far more than it keeps, and takes the second.
-    head_dim : full key width, to re-insert pruned channels
+    head_dim, value_dim : full key and value widths, to re-insert pruned channels
+    value_channels : long ``[batch, kv_heads, kept_value_channels]`` or None when every value
+        channel is kept
     """
 
     keys: torch.Tensor | None
@@ -55,6 +57,8 @@ class PackedKV:
     channels: torch.Tensor | None
     record: torch.Tensor
     head_dim: int
+    value_dim: int
+    value_channels: torch.Tensor | None = None
 
     def destinations(self, width: int) -> torch.Tensor:
         """Flat index of each packed row in a padded ``[batch * kv_heads * width]`` grid."""
@@ -74,21 +78,22 @@ class PackedKV:
         positions: torch.Tensor,
         length: int,
         as_list: bool = False,
+        value_channels: torch.Tensor | None = None,
     ) -> PackedKV:
-        """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values;
-        ``positions`` ``[batch, kv_heads, slots]`` are the slots' logical positions, all below
-        ``length``. ``as_list``: record them as a list whatever its size (a bounded cache, whose
-        record then stays the same size however long it decodes)."""
-        b, h, slots, d = keys.shape
-        if channels is not None:
-            keys = keys.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
+        """Pack the ``keep`` slots of full-width ``[batch, kv_heads, slots, dim]`` keys/values,
+        the ``channels`` and ``value_channels`` of each head only; ``positions`` ``[batch,
+        kv_heads, slots]`` are the slots' logical positions, all below ``length``. ``as_list``:
+        record them as a list whatever its size (a bounded cache, whose record then stays the
+        same size however long it decodes)."""
         return cls(
-            keys=keys[keep],
-            values=values[keep],
+            keys=_gather_channels(keys, channels)[keep],
+            values=_gather_channels(values, value_channels)[keep],
             lengths=keep.sum(-1),
             channels=channels,
             record=_record(keep, positions, length, as_list),
-            head_dim=d,
+            head_dim=keys.shape[-1],
+            value_dim=values.shape[-1],
+            value_channels=value_channels,
         )
 
     @classmethod
@@ -98,7 +103,9 @@ class PackedKV:
         keep = plan.keep[..., :end]
         positions = torch.arange(end, device=keep.device).expand_as(keep)
         keys, values = keys[..., :end, :], values[..., :end, :]
-        return cls.pack(keys, values, keep, plan.channels, positions, end)
+        return cls.pack(
+            keys, values, keep, plan.channels, positions, end, value_channels=plan.value_channels
+        )
 
     @cached_property
     def max_length(self) -> int:
@@ -149,23 +156,26 @@ class PackedKV:
     def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the padded, full-width layout into the first ``max_length`` positions of
         contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
-        b, h, width, _ = keys.shape
-        # explicit last dims: a view of zero elements cannot infer one
-        self._lay_out(self.values, values.view(b * h, width, values.shape[-1]))
-        if self.channels is None:
-            self._lay_out(self.keys, keys.view(b * h, width, keys.shape[-1]))
+        self._write(self.keys, self.channels, keys)
+        self._write(self.values, self.value_channels, values)
+
+    def _write(self, flat: torch.Tensor, channels: torch.Tensor | None, target: torch.Tensor):
+        """One of :meth:`write_into`'s tensors, pruned channels re-inserted as zeros."""
+        b, h, width, dim = target.shape  # explicit dims: a view of no elements infers none
+        if channels is None:
+            self._lay_out(flat, target.view(b * h, width, dim))
             return
-        packed_keys = self._padded(self.keys)
-        index = self.channels[:, :, None, :].expand_as(packed_keys)
-        block = keys[:, :, : self.max_length]
+        packed = self._padded(flat)
+        block = target[:, :, : self.max_length]
         block.zero_()
-        block.scatter_(-1, index, packed_keys)
+        block.scatter_(-1, channels[:, :, None, :].expand_as(packed), packed)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys at full width (pruned channels as zeros) and values, padded per head with zeros."""
+        """Keys and values at full width (pruned channels as zeros), padded per head with
+        zeros."""
         b, h = self.lengths.shape
         keys = self.keys.new_empty(b, h, self.max_length, self.head_dim)
-        values = self.values.new_empty(b, h, self.max_length, self.values.shape[-1])
+        values = self.values.new_empty(b, h, self.max_length, self.value_dim)
         self.write_into(keys, values)
         return keys, values
 
@@ -181,7 +191,7 @@ class PackedKV:
 
     def without_data(self) -> PackedKV:
         """The same bookkeeping with the keys and values kept elsewhere."""
-        return PackedKV(None, None, self.lengths, self.channels, self.record, self.head_dim)
+        return replace(self, keys=None, values=None)
 
     def slot_positions(self) -> torch.Tensor:
         """Logical position of every slot of :meth:`dense`, ``[batch, kv_heads, max_length]``
@@ -216,28 +226,39 @@ class PackedKV:
         counts = per_row[rows]
         offset = torch.repeat_interleave(starts[rows] - (counts.cumsum(0) - counts), counts)
         index = torch.arange(int(counts.sum()), device=rows.device) + offset
-        return PackedKV(
-            keys=None if self.keys is None else self.keys[index],
-            values=None if self.values is None else self.values[index],
+        per_token = lambda t: None if t is None else t[index]
+        per_head = lambda t: None if t is None else t[rows]
+        return replace(
+            self,
+            keys=per_token(self.keys),
+            values=per_token(self.values),
             lengths=self.lengths[rows],
-            channels=None if self.channels is None else self.channels[rows],
+            channels=per_head(self.channels),
             record=self.record[rows] if self.record.dtype == torch.bool else self.record[index],
-            head_dim=self.head_dim,
+            value_channels=per_head(self.value_channels),
         )
 
     def nbytes(self) -> int:
-        return storage_nbytes(self.keys, self.values, self.lengths, self.channels, self.record)
+        tensors = (self.keys, self.values, self.lengths, self.channels, self.value_channels)
+        return storage_nbytes(*tensors, self.record)
 
     def to(self, device: torch.device | str) -> PackedKV:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return PackedKV(
-            move(self.keys),
-            move(self.values),
-            move(self.lengths),
-            move(self.channels),
-            move(self.record),
-            self.head_dim,
+        return replace(
+            self,
+            **{name: move(getattr(self, name)) for name in _TENSOR_FIELDS},
         )
+
+
+_TENSOR_FIELDS = ("keys", "values", "lengths", "channels", "record", "value_channels")
+
+
+def _gather_channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
+    """The ``channels`` ``[batch, kv_heads, kept]`` of ``x`` ``[batch, kv_heads, slots, dim]``."""
+    if channels is None:
+        return x
+    b, h, slots, _ = x.shape
+    return x.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
 
 
 def _record(

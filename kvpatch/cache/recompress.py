@@ -92,9 +92,9 @@ class LayerSetup:
     def full_width(self, store: CompressedStore) -> int:
         """How many of the last tokens stay at full width: the channel policy's window, capped
         by the tail (0 without pruned channels)."""
-        if store.packed.channels is None:
+        if store.packed.channels is None and store.packed.value_channels is None:
             return 0
-        return min(self.policy.channels.window, store.tail_length)
+        return min(self.policy.full_width_tokens, store.tail_length)
 
     def full_width_window(self, store: CompressedStore, tokens: int) -> torch.Tensor | None:
         """``[batch, tokens]``: which of the last ``tokens`` must stay full width, and so are
@@ -109,9 +109,9 @@ class LayerSetup:
 
 def token_policy_of(policy: Policy) -> Policy:
     """The part of ``policy`` that evicts tokens (what re-compression runs)."""
-    if isinstance(policy, Composed):
+    if isinstance(policy, Composed) and policy.tokens is not None:
         return policy.tokens
-    if isinstance(policy, ChannelSelector):
+    if isinstance(policy, (ChannelSelector, Composed)):
         raise ValueError(
             f"decoding-time compression needs a token policy (snapkv, ada-snapkv, ...); "
             f"{policy.name!r} only prunes channels"

@@ -49,7 +49,7 @@ class CompressedStore:
     ):
         b, h = packed.lengths.shape
         self.key_norm_bound = packed.max_key_norms()  # [batch, kv_heads], for fake keys
-        if packed.is_uniform and packed.channels is None:
+        if packed.is_uniform and packed.channels is None and packed.value_channels is None:
             length = packed.max_length
             dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
             dense_values = packed.values.view(b, h, length, packed.values.shape[-1])
@@ -156,6 +156,7 @@ class CompressedStore:
             self.slot_positions()[..., :cut],
             tail_start,
             as_list=reserve is not None,  # a bounded cache: a record that does not grow
+            value_channels=self.packed.value_channels,
         )
         tail_valid = self.tail_valid[:, self.tail_length - full_width :]
         tail_keys, tail_values = keys[..., cut:, :], values[..., cut:, :]

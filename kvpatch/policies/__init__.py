@@ -3,7 +3,9 @@
 A policy is given as an object (``SnapKV(ratio=0.5, window=32)``) or as a string in the grammar
 ``term ("+" term)*`` with ``term = NAME [":" RATIO]``, RATIO being the fraction removed
 (default 0.5):
-``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``. A token scorer's name
+``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``; up to three terms combine,
+one of each kind: key channels (``think``), value channels (``think-v``) and tokens, e.g.
+``"think:0.5+think-v:0.25+ada-snapkv:0.5"``. A token scorer's name
 takes the prefix ``span-`` (:class:`Spans`: a kept token brings the tokens after it), then
 ``ada-`` (head-wise budgets in each layer), ``global-`` (one budget shared by every layer and
 head) or ``pyramid-`` (layer budgets shrinking with depth): ``"ada-span-kvzip:0.75"``.
@@ -26,7 +28,7 @@ from kvpatch.policies.random import RandomScorer
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.spans import Spans, SpanSnapKV, SpanTOVA
 from kvpatch.policies.streamingllm import StreamingLLM
-from kvpatch.policies.think import ThinK
+from kvpatch.policies.think import ThinK, ThinKValues
 from kvpatch.policies.tova import TOVA
 
 #: token scorers by name; each also exists with every prefix of :data:`BUDGET_PREFIXES`
@@ -48,7 +50,10 @@ TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
 #: prefixes that share a token scorer's budget differently
 BUDGET_PREFIXES = {"ada-": AdaKV, "global-": GlobalBudgets, "pyramid-": Pyramid}
 #: channel selectors by name
-CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {ThinK.name: ThinK}
+CHANNEL_SELECTORS: dict[str, type[ChannelSelector]] = {
+    ThinK.name: ThinK,
+    ThinKValues.name: ThinKValues,
+}
 
 DEFAULT_RATIO = 0.5
 
@@ -114,10 +119,10 @@ def parse_policy(spec: str | Policy | None) -> Policy | None:
     policies = [_parse_term(t) for t in terms]
     if len(policies) == 1:
         return policies[0]
-    if len(policies) > 2:
+    if len(policies) > 3:
         raise ValueError(
-            f"policy {spec!r} has {len(policies)} terms; at most two combine: "
-            "one channel policy (think) and one token policy"
+            f"policy {spec!r} has {len(policies)} terms; at most three combine: one key-channel "
+            "policy (think), one value-channel policy (think-v) and one token policy"
         )
     return compose(*policies)
 
@@ -143,6 +148,7 @@ __all__ = [
     "Spans",
     "StreamingLLM",
     "ThinK",
+    "ThinKValues",
     "TokenScorer",
     "compose",
     "parse_policy",

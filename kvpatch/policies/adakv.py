@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch.policies.base import Policy, TokenScorer, WrapsScorer
+from kvpatch.policies.base import Policy, TokenScorer
 from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
@@ -15,6 +15,7 @@ from kvpatch.policies.contract import (
     scores_with_rules,
     select_top,
 )
+from kvpatch.policies.wraps import WrapsScorer
 
 
 @dataclass

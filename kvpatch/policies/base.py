@@ -2,11 +2,13 @@
 
 - :class:`TokenScorer` — ``score(inputs)``: one score per token and KV head; the highest are kept,
   with the same budget for every head of a batch row.
-- :class:`ChannelSelector` — ``select_channels(inputs)``: the key channels each KV head keeps.
+- :class:`ChannelSelector` — ``select_channels(inputs)``: the key (or value) channels each KV
+  head keeps.
 - :class:`Policy` itself — ``plan(inputs)``: anything else (head-wise budgets).
 
-:class:`Composed` (``channel_selector + token_policy``) is the one rule that combines them; it
-lives here so that ``Policy.__add__`` needs nothing above this module.
+:class:`Composed` (``key_channels + value_channels + token_policy``, any two or three) is the
+one rule that combines them; it lives here so that ``Policy.__add__`` needs nothing above this
+module.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +24,7 @@ from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
     budget_per_head,
+    check_ratio,
     scores_with_rules,
     select_top,
 )
@@ -44,6 +48,11 @@ class Policy(ABC):
     @property
     def protected_tokens(self) -> int:
         """Tokens every head always keeps (a window, sinks): the smallest possible budget."""
+        return 0
+
+    @property
+    def full_width_tokens(self) -> int:
+        """How many of the newest tokens keep every channel (a channel selector's window)."""
         return 0
 
     @property
@@ -93,55 +102,26 @@ class TokenScorer(Policy):
         return Plan(keep=keep, channels=None, full_width_from=inputs.num_tokens)
 
 
-class WrapsScorer:
-    """Mixin for a policy around a token scorer (``self.scorer``): the ratio, the protected
-    tokens and the need for a replay are the scorer's."""
-
-    scorer: TokenScorer
-
-    def _rule_scores(
-        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None
-    ) -> list[torch.Tensor]:
-        """The scorer's scores of every layer, with the shared rules applied (padding never
-        kept, ``must_keep`` always)."""
-        must_keep = must_keep or [None] * len(inputs)
-        return [
-            scores_with_rules(self.scorer.score(x), x, m)
-            for x, m in zip(inputs, must_keep, strict=True)
-        ]
-
-    def _check_scorer(self) -> None:
-        if not isinstance(self.scorer, TokenScorer):
-            raise ValueError(
-                f"{type(self).__name__} wraps a token scorer, got {type(self.scorer).__name__}"
-            )
-
-    @property
-    def ratio(self) -> float:
-        return self.scorer.ratio
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.scorer.protected_tokens
-
-    @property
-    def needs_replay(self) -> bool:
-        return self.scorer.needs_replay
-
-    @property
-    def query_window(self) -> int:
-        return self.scorer.query_window
-
-
 class ChannelSelector(Policy):
-    """A policy that prunes key channels; it keeps every (real) token.
+    """A policy that prunes the key channels (``prunes = "keys"``) or the value channels
+    (``"values"``) of each KV head; it keeps every (real) token.
 
-    Subclasses are dataclasses with ``ratio`` (fraction of key channels removed) and ``window``
+    Subclasses are dataclasses with ``ratio`` (fraction of the channels removed) and ``window``
     (the last tokens keep full width) and implement :meth:`select_channels`.
     """
 
     name: str = ""
     window: int = 0
+    #: which tensor's channels are pruned: "keys" or "values"
+    prunes: ClassVar[str] = "keys"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(
+                f"{type(self).__name__} needs an integer window >= 1 (its observation window, "
+                f"kept at full width), got {self.window!r}"
+            )
 
     @abstractmethod
     def select_channels(self, inputs: LayerInputs) -> torch.Tensor:
@@ -150,62 +130,93 @@ class ChannelSelector(Policy):
     def kept_channels(self, head_dim: int) -> int:
         return head_dim - math.floor(head_dim * self.ratio)
 
+    @property
+    def full_width_tokens(self) -> int:
+        return self.window
+
     def full_width_from(self, inputs: LayerInputs) -> int:
         return max(inputs.num_tokens - self.window, 0)
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
-        keep = inputs.head_valid.clone()
-        channels = self.select_channels(inputs)
-        if channels.shape[-1] == inputs.keys.shape[-1]:
-            channels = None
-        else:
-            channels = channels.sort(dim=-1).values
-        return Plan(keep=keep, channels=channels, full_width_from=self.full_width_from(inputs))
+        width = (inputs.keys if self.prunes == "keys" else inputs.values).shape[-1]
+        channels = self.select_channels(inputs).sort(dim=-1).values
+        channels = None if channels.shape[-1] == width else channels
+        keys, values = (channels, None) if self.prunes == "keys" else (None, channels)
+        return Plan(
+            keep=inputs.head_valid.clone(),
+            channels=keys,
+            full_width_from=self.full_width_from(inputs),
+            value_channels=values,
+        )
 
 
 @dataclass
 class Composed(Policy):
-    """Prune key channels with ``channels`` and evict tokens with ``tokens``.
+    """Prune key channels, prune value channels and evict tokens, each part by its own policy
+    (at least two of the three).
 
-    The channel selector's full-width window is kept by the token policy in every head, so that
-    the full-width tokens form one dense block.
+    The channel selectors' full-width window (the longer of the two) is kept by the token policy
+    in every head, so that the full-width tokens form one dense block.
 
     Parameters
     ----------
-    channels : ChannelSelector
-        Chooses the key channels stored for older tokens (e.g. ThinK).
-    tokens : Policy
-        Chooses the tokens (a token scorer or AdaKV).
+    channels : ChannelSelector or None
+        Chooses the key channels stored for older tokens (``think``).
+    tokens : Policy or None
+        Chooses the tokens (a token scorer, AdaKV, ...).
+    value_channels : ChannelSelector or None
+        Chooses the value channels stored for older tokens (``think-v``).
     """
 
-    channels: ChannelSelector
-    tokens: Policy
+    channels: ChannelSelector | None = None
+    tokens: Policy | None = None
+    value_channels: ChannelSelector | None = None
+
+    def __post_init__(self) -> None:
+        parts = (self.channels, self.tokens, self.value_channels)
+        if sum(p is not None for p in parts) < 2:
+            raise ValueError("a composition takes at least two of: key channels, tokens, values")
+        for selector, prunes in ((self.channels, "keys"), (self.value_channels, "values")):
+            if selector is not None and getattr(selector, "prunes", None) != prunes:
+                raise ValueError(f"{selector!r} does not prune {prunes}")
+
+    @property
+    def selectors(self) -> list[ChannelSelector]:
+        return [s for s in (self.channels, self.value_channels) if s is not None]
 
     @property
     def ratio(self) -> float:
         """Fraction of the cache removed, keys and values counted alike."""
-        kept_tokens = 1.0 - self.tokens.ratio
-        return 1.0 - kept_tokens * (1.0 - self.channels.ratio / 2)
+        kept_tokens = 1.0 - (self.tokens.ratio if self.tokens is not None else 0.0)
+        key_share = 1.0 - (self.channels.ratio if self.channels is not None else 0.0)
+        value_share = 1.0 - (self.value_channels.ratio if self.value_channels is not None else 0.0)
+        return 1.0 - kept_tokens * (key_share + value_share) / 2
+
+    @property
+    def full_width_tokens(self) -> int:
+        return max(s.window for s in self.selectors)
 
     @property
     def protected_tokens(self) -> int:
-        return max(self.channels.window, self.tokens.protected_tokens)
+        tokens = self.tokens.protected_tokens if self.tokens is not None else 0
+        return max(self.full_width_tokens, tokens)
 
     @property
     def name(self) -> str:
-        return f"{self.channels.name}+{self.tokens.name}"
+        parts = (self.channels, self.value_channels, self.tokens)
+        return "+".join(p.name for p in parts if p is not None)
 
     @property
     def needs_replay(self) -> bool:
-        return self.tokens.needs_replay
+        return self.tokens is not None and self.tokens.needs_replay
 
     @property
     def needs_all_layers(self) -> bool:
-        return self.tokens.needs_all_layers
+        return self.tokens is not None and self.tokens.needs_all_layers
 
     @property
     def query_window(self) -> int:
-        return self.tokens.query_window
+        return self.tokens.query_window if self.tokens is not None else DEFAULT_QUERY_WINDOW
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         return self.plan_layers([inputs], [must_keep])[0]
@@ -214,38 +225,57 @@ class Composed(Policy):
         self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
     ) -> list[Plan]:
         must_keep = must_keep or [None] * len(inputs)
-        channel_plans = [self.channels.plan(x) for x in inputs]
-        windows = [
-            _full_width_window(x, p, m)
-            for x, p, m in zip(inputs, channel_plans, must_keep, strict=True)
+        full_width = [min(s.full_width_from(x) for s in self.selectors) for x in inputs]
+        if self.tokens is None:
+            keeps = [x.head_valid.clone() for x in inputs]
+        else:
+            windows = [
+                _full_width_window(x, start, m)
+                for x, start, m in zip(inputs, full_width, must_keep, strict=True)
+            ]
+            keeps = [plan.keep for plan in self.tokens.plan_layers(inputs, windows)]
+        keys = [self.channels.plan(x).channels if self.channels else None for x in inputs]
+        values = [
+            self.value_channels.plan(x).value_channels if self.value_channels else None
+            for x in inputs
         ]
-        token_plans = self.tokens.plan_layers(inputs, windows)
         return [
-            Plan(keep=t.keep, channels=c.channels, full_width_from=c.full_width_from)
-            for t, c in zip(token_plans, channel_plans, strict=True)
+            Plan(keep=keep, channels=k, full_width_from=start, value_channels=v)
+            for keep, k, start, v in zip(keeps, keys, full_width, values, strict=True)
         ]
 
 
 def _full_width_window(
-    inputs: LayerInputs, channel_plan: Plan, must_keep: torch.Tensor | None
+    inputs: LayerInputs, full_width_from: int, must_keep: torch.Tensor | None
 ) -> torch.Tensor:
-    """The tokens the token policy must keep: the channel selector's full-width window (real
+    """The tokens the token policy must keep: the channel selectors' full-width window (real
     tokens only) and any forced ones."""
     positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
-    window = (positions >= channel_plan.full_width_from)[None, :] & inputs.valid
+    window = (positions >= full_width_from)[None, :] & inputs.valid
     if window.dim() == 3:  # per-head validity: the window is kept where any head has it
         window = window.any(1)
     return window if must_keep is None else window | must_keep
 
 
-def compose(first: Policy, second: Policy) -> Composed:
-    """Combine one channel selector and one token policy, in either order."""
-    pair = (first, second)
-    channel = [p for p in pair if isinstance(p, ChannelSelector)]
-    token = [p for p in pair if not isinstance(p, (ChannelSelector, Composed))]
-    if len(channel) != 1 or len(token) != 1:
+def compose(*parts: Policy) -> Composed:
+    """Combine at most one key-channel selector, one value-channel selector and one token
+    policy (at least two of them), in any order; a composition given as a part is unpacked."""
+    flat: list[Policy] = []
+    for part in parts:
+        if isinstance(part, Composed):
+            flat += [p for p in (part.channels, part.value_channels, part.tokens) if p is not None]
+        else:
+            flat.append(part)
+    roles: dict[str, list[Policy]] = {"channels": [], "value_channels": [], "tokens": []}
+    for part in flat:
+        if isinstance(part, ChannelSelector):
+            roles["channels" if part.prunes == "keys" else "value_channels"].append(part)
+        else:
+            roles["tokens"].append(part)
+    if len(flat) < 2 or any(len(found) > 1 for found in roles.values()):
         raise ValueError(
-            "a composition takes one channel policy (think) and one token policy "
-            f"(snapkv, ada-snapkv, ...), got {first!r} and {second!r}"
+            "a composition takes at most one key-channel policy (think), one value-channel "
+            "policy (think-v) and one token policy (snapkv, ada-snapkv, ...), got "
+            + " and ".join(repr(p) for p in flat)
         )
-    return Composed(channels=channel[0], tokens=token[0])
+    return Composed(**{role: found[0] if found else None for role, found in roles.items()})

@@ -114,14 +114,17 @@ class Plan:
     Attributes
     ----------
     keep : bool Tensor ``[batch, kv_heads, tokens]``; each (row, head) may keep a different number.
-    channels : long Tensor ``[batch, kv_heads, kept_channels]`` (sorted) or None for all channels.
-        Applies to kept tokens before ``full_width_from``.
+    channels : long Tensor ``[batch, kv_heads, kept_channels]`` (sorted) or None for all channels:
+        the key channels stored for kept tokens before ``full_width_from``.
     full_width_from : tokens at or after this position keep every channel; every head keeps them.
+    value_channels : long Tensor ``[batch, kv_heads, kept_value_channels]`` (sorted) or None: the
+        value channels stored for kept tokens before ``full_width_from``.
     """
 
     keep: torch.Tensor
     channels: torch.Tensor | None
     full_width_from: int
+    value_channels: torch.Tensor | None = None
 
     def check(self, inputs: LayerInputs) -> None:
         """Reject a plan that does not fit ``inputs`` (a policy's bug, caught before storage)."""
@@ -134,6 +137,18 @@ class Plan:
             raise ValueError(f"full_width_from must be in [0, {t}], got {self.full_width_from}")
         if (self.keep & ~inputs.head_valid).any():
             raise ValueError("a plan must not keep padding tokens")
+        for name, width in (
+            ("channels", inputs.keys.shape[-1]),
+            ("value_channels", inputs.values.shape[-1]),
+        ):
+            index = getattr(self, name)
+            if index is not None and (
+                index.shape[:2] != (b, h) or not 0 < index.shape[-1] <= width
+            ):
+                raise ValueError(
+                    f"a plan's {name} must be [{b}, {h}, n] indices with 0 < n <= {width}, got "
+                    f"{tuple(index.shape)}"
+                )
 
 
 def kept_count(inputs: LayerInputs, ratio: float) -> torch.Tensor:

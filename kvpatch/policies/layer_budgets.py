@@ -8,13 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.adakv import AdaKV
-from kvpatch.policies.base import Policy, TokenScorer, WrapsScorer
+from kvpatch.policies.base import Policy, TokenScorer
 from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
     budget_per_head,
     select_top,
 )
+from kvpatch.policies.wraps import WrapsScorer
 
 
 @dataclass

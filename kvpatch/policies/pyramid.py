@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch.policies.base import Policy, TokenScorer, WrapsScorer
+from kvpatch.policies.base import Policy, TokenScorer
 from kvpatch.policies.contract import LayerInputs, Plan, kept_count, protected_count, select_top
+from kvpatch.policies.wraps import WrapsScorer
 
 
 def pyramid_weights(layers: int, beta: float) -> list[float]:

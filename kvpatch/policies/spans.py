@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpatch.policies.base import TokenScorer, WrapsScorer
+from kvpatch.policies.base import TokenScorer
 from kvpatch.policies.contract import LayerInputs
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.tova import TOVA
+from kvpatch.policies.wraps import WrapsScorer
 
 
 def spread_scores(

@@ -1,0 +1,49 @@
+"""Policies around a token scorer (head-wise, global or layer budgets, spans) share its ratio,
+protected tokens, replay and query window through :class:`WrapsScorer`."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpatch.policies.base import TokenScorer
+from kvpatch.policies.contract import LayerInputs, scores_with_rules
+
+
+class WrapsScorer:
+    """Mixin for a policy around a token scorer (``self.scorer``): the ratio, the protected
+    tokens and the need for a replay are the scorer's."""
+
+    scorer: TokenScorer
+
+    def _rule_scores(
+        self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None
+    ) -> list[torch.Tensor]:
+        """The scorer's scores of every layer, with the shared rules applied (padding never
+        kept, ``must_keep`` always)."""
+        must_keep = must_keep or [None] * len(inputs)
+        return [
+            scores_with_rules(self.scorer.score(x), x, m)
+            for x, m in zip(inputs, must_keep, strict=True)
+        ]
+
+    def _check_scorer(self) -> None:
+        if not isinstance(self.scorer, TokenScorer):
+            raise ValueError(
+                f"{type(self).__name__} wraps a token scorer, got {type(self.scorer).__name__}"
+            )
+
+    @property
+    def ratio(self) -> float:
+        return self.scorer.ratio
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.scorer.protected_tokens
+
+    @property
+    def needs_replay(self) -> bool:
+        return self.scorer.needs_replay
+
+    @property
+    def query_window(self) -> int:
+        return self.scorer.query_window
