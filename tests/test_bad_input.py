@@ -96,6 +96,21 @@ def _dynamic(model):
     return {compat.cache_argument(model): DynamicCache(config=model.config)}
 
 
+def _filled_dynamic(model):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt(20), use_cache=True, **{compat.cache_argument(model): cache})
+    return {compat.cache_argument(model): cache}
+
+
+class _UsersCache(DynamicCache):
+    """A cache class of the user's own."""
+
+
+def _users_cache(model):
+    return {compat.cache_argument(model): _UsersCache(config=model.config)}
+
+
 def _static(model):
     return {compat.cache_argument(model): StaticCache(config=model.config, max_cache_len=64)}
 
@@ -198,7 +213,10 @@ CASES = [
     Case("generate", "a row that is all padding", lambda: _enabled().generate(*_padded_batch()[:1], attention_mask=_padded_batch()[1], max_new_tokens=2), ValueError, "all padding"),
     Case("generate", "a DynamicCache", _generate_with(_dynamic), ValueError, "kvpatch.disable(model) first"),
     Case("generate", "a StaticCache", _generate_with(_static), ValueError, "CompressedDynamicCache(config=model.config)"),
+    Case("generate", "a DynamicCache already filled", _generate_with(_filled_dynamic), ValueError, "given a DynamicCache"),
+    Case("generate", "a Cache class of the user's own", _generate_with(_users_cache), ValueError, "given a _UsersCache"),
     Case("generate", "cache_implementation='static'", _generate_with(lambda m: {"cache_implementation": "static"}), ValueError, "would hold the whole cache"),
+    Case("generate", "cache_implementation='quantized' (a QuantizedCache)", _generate_with(lambda m: {"cache_implementation": "quantized"}), ValueError, "would hold the whole cache"),
     Case("generate", "a DynamicCache, enabled without a policy", _stock_cache_without_policy, None),
     Case("generate", "bf16 weights", _half_precision(torch.bfloat16), None),
     Case("generate", "fp16 weights", _half_precision(torch.float16), None),
