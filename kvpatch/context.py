@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch import checks, compat, replay
-from kvpatch.cache import CompressedDynamicCache, token_policy_of
-from kvpatch.patching import expand_for_generate, is_enabled, prefill_into, tokenizer_of
+from kvpatch import checks, compat
+from kvpatch.cache import CompressedDynamicCache, check_chunk_size
+from kvpatch.feed import compress_appended, prefill_into
+from kvpatch.patching import expand_for_generate, is_enabled, policy_of, tokenizer_of
 from kvpatch.policies import Policy
 
 
@@ -61,7 +62,8 @@ class CompressedContext:
         input_ids = torch.cat([self.input_ids, ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(ids)], dim=-1)
         start = self.input_ids.shape[1]
-        logits = compress_appended(self.model, cache, input_ids, mask, start, tokenizer)
+        get_tokenizer = lambda: tokenizer_of(self.model, tokenizer)
+        logits = compress_appended(self.model, cache, input_ids, mask, start, get_tokenizer)
         return CompressedContext(self.model, input_ids, mask, cache, logits)
 
     def _as_batch(self, ids: torch.Tensor, name: str) -> torch.Tensor:
@@ -97,6 +99,7 @@ def prefill(
     attention_mask: torch.Tensor | None = None,
     policy: str | Policy | None = None,
     tokenizer=None,
+    chunk_size: int | None = None,
     **cache_kwargs,
 ) -> CompressedContext:
     """Run the context through ``model`` once and compress its cache.
@@ -109,6 +112,11 @@ def prefill(
     policy : overrides the model's policy for this context.
     tokenizer : for ``kvzip``, which asks the model to repeat the context (defaults to the one
         given to :func:`kvpatch.enable`, or found in the model's checkpoint directory).
+    chunk_size : prefill the context in chunks of this many tokens: after each chunk every
+        layer is compressed back to its budget (the policy's share of the real tokens seen so
+        far), scored with that chunk's queries, so the KV held never exceeds the budget plus one
+        chunk. A left-padded batch's first chunk reaches one real token of every row. Not for
+        KVzip, which reconstructs the whole context.
     cache_kwargs : passed to :class:`~kvpatch.CompressedDynamicCache` (e.g. ``decode_budget``).
     """
     if not is_enabled(model):
@@ -116,53 +124,7 @@ def prefill(
     input_ids, attention_mask = checks.token_batch(input_ids, attention_mask)
     checks.no_empty_rows(attention_mask)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
-    logits = prefill_into(model, cache, input_ids, attention_mask, tokenizer)
+    check_chunk_size(chunk_size, cache.policy if cache.policy is not None else policy_of(model))
+    get_tokenizer = lambda: tokenizer_of(model, tokenizer)
+    logits = prefill_into(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size)
     return CompressedContext(model, input_ids, attention_mask, cache, logits)
-
-
-@torch.no_grad()
-def compress_appended(
-    model: torch.nn.Module,
-    cache: CompressedDynamicCache,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    start: int,
-    tokenizer=None,
-) -> torch.Tensor:
-    """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``), then
-    compress each layer's tail, these tokens included, with the layer's own policy. Returns the
-    logits after the last token."""
-    layers = [layer for layer in cache.compressed_layers if layer.is_compressed]
-    for layer in layers:
-        layer.capture_queries = True
-    lengths = attention_mask[:, :start].sum(-1, keepdim=True)
-    new = input_ids[:, start:]
-    positions = lengths + torch.arange(new.shape[1], device=new.device)
-    try:
-        logits = model(
-            new,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{compat.cache_argument(model): cache},
-        ).logits
-    finally:
-        for layer in layers:
-            layer.capture_queries = False
-    if not layers:
-        return logits
-    policy = layers[0].policy
-    if token_policy_of(policy).needs_replay:
-        tail_start = layers[0].store.tail_start
-        prompts = replay.RepeatPrompts(tokenizer_of(model, tokenizer), input_ids.device)
-        scorer = replay.replay_scorer(policy)
-        replay.reconstruct(model, cache, input_ids, attention_mask, prompts, scorer, tail_start)
-    inputs = [layer.segment_inputs() for layer in layers]
-    windows = [
-        layer.full_width_window(x.num_tokens) for layer, x in zip(layers, inputs, strict=True)
-    ]
-    plans = token_policy_of(policy).plan_layers(inputs, windows)
-    for layer, plan in zip(layers, plans, strict=True):
-        layer.compress_segment(plan.keep)
-    return logits

@@ -19,9 +19,9 @@ import wrapt
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch import attention, checks, compat
-from kvpatch.cache import CompressedDynamicCache
+from kvpatch.cache import CompressedDynamicCache, check_chunk_size
+from kvpatch.feed import prefill_into
 from kvpatch.policies import Policy, parse_policy
-from kvpatch.replay import finish_prefill
 
 _MISSING = object()
 
@@ -165,32 +165,6 @@ def tokenizer_of(model: torch.nn.Module, tokenizer=None):
     return found
 
 
-def prefill_into(
-    model: torch.nn.Module,
-    cache: CompressedDynamicCache,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    tokenizer=None,
-) -> torch.Tensor:
-    """One forward of ``input_ids`` into ``cache``, compressed as its policy says (KVzip's
-    reconstruction included); returns the logits of the last position."""
-    with torch.no_grad():
-        out = model(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-            **{compat.cache_argument(model): cache},
-        )
-        deferred = cache.deferred_layers
-        if deferred:
-            if deferred[0].policy.needs_replay:
-                tokenizer = tokenizer_of(model, tokenizer)
-            finish_prefill(model, cache, input_ids, attention_mask, tokenizer)
-    return out.logits
-
-
 @contextlib.contextmanager
 def enabled(
     model: torch.nn.Module, policy: str | Policy | None = None, tokenizer=None
@@ -217,7 +191,9 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):
             checks.no_empty_rows(kwargs["attention_mask"])
         policy = cache.policy if cache.policy is not None else policy_of(model)
-        if policy is not None and policy.needs_replay:
+        check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
+        needs_replay = policy is not None and policy.needs_replay
+        if needs_replay or (policy is not None and cache.prefill_chunk_size is not None):
             _prefill_for_generate(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
 
@@ -243,11 +219,15 @@ def _refuse_uncompressible(model, cache, kwargs) -> None:
 
 def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) -> None:
     """Prefill all but the last prompt token before ``generate`` runs, so that a KVzip policy can
-    reconstruct the prompt; ``generate`` then continues from the compressed cache."""
+    reconstruct the prompt, or to prefill it in chunks; ``generate`` then continues from the
+    compressed cache."""
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        why = (
+            "kvzip reconstructs" if cache.prefill_chunk_size is None else "a chunked prefill reads"
+        )
         raise ValueError(
-            "kvzip reconstructs the prompt from its token ids: pass input_ids to generate "
+            f"{why} the prompt from its token ids: pass input_ids to generate "
             "(inputs_embeds alone cannot be replayed)"
         )
     if input_ids.shape[1] < 2:
@@ -255,7 +235,9 @@ def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) ->
     mask = kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones_like(input_ids)
-    prefill_into(model, cache, input_ids[:, :-1], mask[:, :-1], tokenizer=kwargs.get("tokenizer"))
+    get_tokenizer = lambda: tokenizer_of(model, kwargs.get("tokenizer"))
+    ids, mask = input_ids[:, :-1], mask[:, :-1]
+    prefill_into(model, cache, ids, mask, get_tokenizer, cache.prefill_chunk_size)
     expand_for_generate(model, cache, kwargs)
 
 

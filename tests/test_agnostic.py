@@ -15,7 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat, parse_policy
-from kvpatch.patching import prefill_into
+from kvpatch.feed import prefill_into
+from kvpatch.patching import tokenizer_of
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
@@ -143,7 +144,8 @@ AGNOSTIC_POLICIES = [
 
 def prefill_and_decode(model, ids, cache, steps=STEPS):
     """``kvpatch.prefill``'s path (prefill, reconstruction, compression), then greedy steps."""
-    logits = [prefill_into(model, cache, ids, torch.ones_like(ids))[:, -1].float()]
+    get_tokenizer = lambda: tokenizer_of(model)  # the one given to enable
+    logits = [prefill_into(model, cache, ids, torch.ones_like(ids), get_tokenizer)[:, -1].float()]
     fed = []
     name = compat.cache_argument(model)
     with torch.no_grad():

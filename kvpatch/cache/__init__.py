@@ -6,7 +6,8 @@
 - :mod:`~kvpatch.cache.store` — the compressed layout: a packed part and a full-width tail;
 - :mod:`~kvpatch.cache.packed` — variable-length heads and channel-pruned keys, back to back;
 - :mod:`~kvpatch.cache.buffer` — the tail's storage, grown with spare room;
-- :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment;
+- :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment, a
+  prefill chunk;
 - :mod:`~kvpatch.cache.replay_chunk` — a KVzip reconstruction chunk's masks and workspaces;
 - :mod:`~kvpatch.cache.views` — what the layer tells the attention function about its keys;
 - :mod:`~kvpatch.cache.stats` — tokens and bytes held.
@@ -14,7 +15,12 @@
 
 from kvpatch.cache.dynamic import CompressedDynamicCache
 from kvpatch.cache.layer import CompressedLayer
-from kvpatch.cache.recompress import RECENT_QUERIES, DecodeBudget, token_policy_of
+from kvpatch.cache.recompress import (
+    RECENT_QUERIES,
+    DecodeBudget,
+    check_chunk_size,
+    token_policy_of,
+)
 from kvpatch.cache.replay_chunk import ReplayChunk
 from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
 from kvpatch.cache.views import CompressedView, PrefillView, ReplayView, View, mark, view_of
@@ -32,6 +38,7 @@ __all__ = [
     "ReplayView",
     "View",
     "cache_nbytes",
+    "check_chunk_size",
     "mark",
     "token_policy_of",
     "view_of",

@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch.cache.layer import CompressedLayer
-from kvpatch.cache.recompress import DecodeBudget, check_decode_budget
+from kvpatch.cache.recompress import DecodeBudget, check_chunk_size, check_decode_budget
 from kvpatch.cache.stats import CacheStats, layer_stats
 from kvpatch.cache.views import PrefillView, view_of
 from kvpatch.policies import Policy, parse_policy
@@ -33,6 +33,10 @@ class CompressedDynamicCache(DynamicCache):
         tokens per head with the same (token) policy. Without it, every generated token is kept.
     decode_interval : int, default 64
         How many tokens are appended between two decoding-time compressions.
+    prefill_chunk_size : int, optional
+        ``generate`` prefills a longer prompt in chunks of this many tokens, compressing every
+        layer back to its budget after each (see :func:`kvpatch.prefill`), so that the KV held
+        never exceeds the budget plus one chunk.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class CompressedDynamicCache(DynamicCache):
         policy: str | Policy | None = None,
         decode_budget: int | None = None,
         decode_interval: int = 64,
+        prefill_chunk_size: int | None = None,
         **kwargs,
     ):
         if config is not None and not isinstance(config, PretrainedConfig):
@@ -55,6 +60,8 @@ class CompressedDynamicCache(DynamicCache):
         )
         if self.policy is not None and self.decode_budget is not None:
             check_decode_budget(self.policy, self.decode_budget)
+        check_chunk_size(prefill_chunk_size, self.policy, "prefill_chunk_size")
+        self.prefill_chunk_size = prefill_chunk_size
         if self.layer_class_to_replicate is not None:
             self.layer_class_to_replicate = CompressedLayer
         self.layers = [

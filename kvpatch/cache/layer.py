@@ -1,11 +1,9 @@
 """One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`.
 
-Its first ``update`` (the prefill) is stored densely and returned marked
-:class:`~kvpatch.cache.views.PrefillView`; the kvpatch attention function attends over it exactly,
-then calls :meth:`CompressedLayer.compress` (or :meth:`~CompressedLayer.defer`, for a policy that
-plans every layer at once). From then on the layer is a
-:class:`~kvpatch.cache.store.CompressedStore`, and ``update`` returns a transient dense view of it
-marked :class:`~kvpatch.cache.views.CompressedView`.
+Its prefill is stored densely and returned marked ``PrefillView``; kvpatch's attention attends
+over it exactly, then calls :meth:`CompressedLayer.compress` (or ``defer``, for a policy that
+plans every layer at once). The layer is then a ``CompressedStore``, and ``update`` returns a
+transient dense view of it marked ``CompressedView``.
 """
 
 from __future__ import annotations
@@ -147,8 +145,9 @@ class CompressedLayer(DynamicLayer):
             self.store.to(device)
             self._expose_tail()
         elif self.is_initialized:
-            self.keys = self.keys.to(device, non_blocking=True)
-            self.values = self.values.to(device, non_blocking=True)
+            self.keys, self.values = (
+                t.to(device, non_blocking=True) for t in (self.keys, self.values)
+            )
 
     # -- compression ---------------------------------------------------------------------------
 
@@ -222,14 +221,20 @@ class CompressedLayer(DynamicLayer):
             self.store, self.setup, self.segment_queries, self.replay_attention
         )
 
-    def full_width_window(self, tokens: int) -> torch.Tensor | None:
-        """Which of the last ``tokens`` stay full width (always kept); None without channels."""
-        return self.setup.full_width_window(self.store, tokens)
-
     def compress_segment(self, keep: torch.Tensor) -> None:
         """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail."""
         self.store = recompress.compress_segment(self.store, self.setup, keep)
         self.segment_queries = self.replay_attention = None
+        self._expose_tail()
+
+    def held_inputs(self, keep_tokens: int | torch.Tensor) -> LayerInputs:
+        """Everything held, scored by the recorded queries, to keep ``keep_tokens`` per head."""
+        return recompress.held_inputs(self.store, self.setup, self.segment_queries, keep_tokens)
+
+    def keep_held(self, inputs: LayerInputs, keep: torch.Tensor) -> None:
+        """Keep the ``keep`` slots of :meth:`held_inputs` (a prefill chunk compressed back)."""
+        self.store = recompress.keep_held(self.store, self.setup, inputs, keep)
+        self.segment_queries = None
         self._expose_tail()
 
     # -- a context reconstruction (KVzip) ------------------------------------------------------
@@ -245,18 +250,16 @@ class CompressedLayer(DynamicLayer):
             )
         if self.deferred is not None:
             return self.replay.view(self, self.keys, self.values, None, key_states, value_states)
-        keys, values = self.store.dense()
-        held_valid, scored_from = self.store.slot_valid(), self.store.packed.max_length
+        keys, values, held_valid = *self.store.dense(), self.store.slot_valid()
+        scored_from = self.store.packed.max_length  # only the tail is scored
         return self.replay.view(
             self, keys, values, held_valid, key_states, value_states, scored_from
         )
 
     def record_replay_attention(self, attention: torch.Tensor) -> None:
         """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
-        if self.replay_attention is None:
-            self.replay_attention = attention
-        else:
-            self.replay_attention = torch.maximum(self.replay_attention, attention)
+        previous = self.replay_attention
+        self.replay_attention = attention if previous is None else previous.maximum(attention)
 
     def _expose_tail(self) -> None:
         self.keys, self.values = self.store.tail()

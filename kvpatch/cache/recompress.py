@@ -133,6 +133,23 @@ def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
         )
 
 
+def check_chunk_size(
+    chunk_size: int | None, policy: Policy | None, name: str = "chunk_size"
+) -> None:
+    """Reject a chunk size that is not a positive integer, or a policy that cannot re-score
+    what is held after each chunk."""
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{name} must be a positive integer (tokens), got {chunk_size!r}")
+    if policy is not None and policy.needs_replay:
+        raise ValueError(
+            f"{policy.name!r} scores tokens by reconstructing the whole context, which a chunked "
+            f"prefill does not have until its end; drop {name}, or use a policy that scores "
+            "from queries or keys (snapkv, ada-snapkv, knorm, keydiff, ...)"
+        )
+
+
 def recent(
     previous: torch.Tensor | None, queries: torch.Tensor, window: int = RECENT_QUERIES
 ) -> torch.Tensor:
@@ -155,16 +172,40 @@ def compress_to_budget(
     store: CompressedStore, setup: LayerSetup, queries: torch.Tensor
 ) -> CompressedStore:
     """Everything held, cut back to the decode budget by the policy scoring with ``queries``."""
-    keys, values = store.dense()
-    valid = store.slot_valid()
-    inputs = setup.inputs(
-        queries, store.end, keys=keys, values=values, valid=valid,
-        keep_tokens=setup.decode_budget.tokens,
-    )  # fmt: skip
-    must_keep = setup.full_width_window(store, keys.shape[2])
+    inputs = held_inputs(store, setup, queries, setup.decode_budget.tokens)
+    must_keep = setup.full_width_window(store, inputs.num_tokens)
     keep = token_policy_of(setup.policy).plan(inputs, must_keep=must_keep).keep
     reserve = setup.decode_budget.interval  # room for the tokens until the next compression
-    return store.repacked(keep & valid, setup.full_width(store), (keys, values), reserve)
+    return keep_held(store, setup, inputs, keep, reserve)
+
+
+def held_inputs(
+    store: CompressedStore,
+    setup: LayerSetup,
+    queries: torch.Tensor,
+    keep_tokens: int | torch.Tensor,
+) -> LayerInputs:
+    """Everything the layer holds as a policy sees it, scored by the last ``queries``, to keep
+    ``keep_tokens`` per head (an int, or long ``[batch]`` per row)."""
+    keys, values = store.dense()
+    return setup.inputs(
+        queries, store.end, keys=keys, values=values, valid=store.slot_valid(),
+        keep_tokens=keep_tokens,
+    )  # fmt: skip
+
+
+def keep_held(
+    store: CompressedStore,
+    setup: LayerSetup,
+    inputs: LayerInputs,
+    keep: torch.Tensor,
+    reserve: int | None = None,
+) -> CompressedStore:
+    """The ``keep`` slots of :func:`held_inputs`'s ``inputs``, repacked; the last tokens of a
+    channel policy's window stay full width."""
+    keep = keep & inputs.head_valid
+    dense = (inputs.keys, inputs.values)
+    return store.repacked(keep, setup.full_width(store), dense, reserve)
 
 
 def segment_inputs(

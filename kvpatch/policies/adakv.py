@@ -12,6 +12,7 @@ from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
     budget_per_head,
+    row_budget,
     scores_with_rules,
     select_top,
 )
@@ -53,5 +54,6 @@ class AdaKV(WrapsScorer, Policy):
         safeguard = torch.floor(per_head.float() * self.alpha).long()
         guaranteed = select_top(scores, safeguard) & (scores > float("-inf"))
         boosted = scores.masked_fill(guaranteed, math.inf)
-        keep = select_top(boosted.reshape(b, h * t), per_head.sum(-1)).view(b, h, t)
+        total = row_budget(scores, inputs, self.ratio)
+        keep = select_top(boosted.reshape(b, h * t), total).view(b, h, t)
         return Plan(keep=keep, channels=None, full_width_from=t)

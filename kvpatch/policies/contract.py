@@ -39,7 +39,8 @@ class LayerInputs:
         is no real token (padding).
     scaling : the softmax scale the model uses for this layer.
     layer_idx : index of the layer in the model.
-    keep_tokens : if set, the number of tokens each head keeps, instead of the ratio's share.
+    keep_tokens : if set, the number of tokens each head keeps, instead of the ratio's share: an
+        int, or a long Tensor ``[batch]`` with one budget per row.
     rotary : the model's rotary embedding as ``positions [n] -> (cos, sin)``, each ``[n,
         head_dim]`` (rotate-half convention), or None for a model without one.
     query_positions : long Tensor ``[batch, n_queries]``, the position ids of the queries
@@ -55,7 +56,7 @@ class LayerInputs:
     valid: torch.Tensor
     scaling: float
     layer_idx: int = 0
-    keep_tokens: int | None = None
+    keep_tokens: int | torch.Tensor | None = None
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     query_positions: torch.Tensor | None = None
     replay_attention: torch.Tensor | None = None
@@ -155,6 +156,8 @@ def kept_count(inputs: LayerInputs, ratio: float) -> torch.Tensor:
     """Tokens each head keeps, ``[batch, kv_heads]``: its real tokens minus the fraction
     ``ratio`` (or ``inputs.keep_tokens``), at least 1."""
     n = inputs.head_valid.sum(-1)
+    if isinstance(inputs.keep_tokens, torch.Tensor):  # one budget per batch row
+        return n.minimum(inputs.keep_tokens.to(n.device)[:, None])
     if inputs.keep_tokens is not None:
         return n.clamp(max=inputs.keep_tokens)
     # float64 and a tiny epsilon: 300 * 0.21 must remove 63 tokens, not 62.99999 -> 62
@@ -188,6 +191,18 @@ def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> 
     """Tokens per head ``[batch, kv_heads]``: the ratio's budget, raised to cover every token
     that must be kept."""
     return torch.maximum(kept_count(inputs, ratio), protected_count(scores))
+
+
+def row_budget(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:
+    """Tokens the KV heads of each batch row keep together, ``[batch]``, for budgets shared
+    across heads: the per-head budgets' sum; under ``keep_tokens``, that many per head on
+    average (a head holding fewer leaves the rest to the others), never more than is held."""
+    per_head = budget_per_head(scores, inputs, ratio)
+    if inputs.keep_tokens is None:
+        return per_head.sum(-1)
+    held = inputs.head_valid.sum(dim=(-1, -2))
+    keep = torch.as_tensor(inputs.keep_tokens, device=held.device).expand_as(held)
+    return held.minimum(per_head.sum(-1).maximum(keep * per_head.shape[-1]))
 
 
 def protected_count(scores: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from kvpatch.policies.base import Policy, TokenScorer
 from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
-    budget_per_head,
+    row_budget,
     select_top,
 )
 from kvpatch.policies.wraps import WrapsScorer
@@ -56,7 +56,7 @@ class GlobalBudgets(WrapsScorer, Policy):
     ) -> list[Plan]:
         scores = self._rule_scores(inputs, must_keep)
         pairs = zip(scores, inputs, strict=True)
-        budget = sum(budget_per_head(s, x, self.ratio).sum(-1) for s, x in pairs)  # [batch]
+        budget = sum(row_budget(s, x, self.ratio) for s, x in pairs)  # [batch]
         shapes = [s.shape for s in scores]
         flat = torch.cat([s.flatten(1) for s in scores], dim=1)  # [batch, layers * heads * tokens]
         keep = select_top(flat, budget).split([s[1] * s[2] for s in shapes], dim=1)

@@ -1,0 +1,168 @@
+"""How tokens go into a compressed cache.
+
+- :func:`prefill_into`: a context in one forward, compressed right after each layer's attention
+  (KVzip's reconstruction included), or in chunks (``chunk_size``): after each chunk every layer
+  is compressed back to its budget, the policy's share of the tokens seen so far, scored with
+  that chunk's queries, so the KV held never exceeds the budget plus one chunk;
+- :func:`compress_appended`: a segment appended to a compressed context (a chat turn), of
+  which ``1 - ratio`` is kept, scored with its own queries.
+
+``get_tokenizer`` returns the tokenizer; it is called only when a KVzip reconstruction needs its
+prompt (finding a tokenizer may read the model's checkpoint directory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvpatch import compat, replay
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer, token_policy_of
+from kvpatch.policies import ChannelSelector, Composed, Policy
+
+TokenizerSource = Callable[[], object]
+
+
+def _no_tokenizer() -> None:
+    return None
+
+
+@torch.no_grad()
+def prefill_into(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    get_tokenizer: TokenizerSource = _no_tokenizer,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Prefill ``input_ids`` into ``cache``, compressed as its policy says, in one forward or in
+    chunks of ``chunk_size`` tokens; returns the logits of the last position."""
+    if chunk_size is not None and input_ids.shape[1] > chunk_size:
+        return _prefill_in_chunks(
+            model, cache, input_ids, attention_mask, get_tokenizer, chunk_size
+        )
+    out = model(
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+        **{compat.cache_argument(model): cache},
+    )
+    deferred = cache.deferred_layers
+    if deferred:
+        tokenizer = get_tokenizer() if deferred[0].policy.needs_replay else None
+        replay.finish_prefill(model, cache, input_ids, attention_mask, tokenizer)
+    return out.logits
+
+
+def _prefill_in_chunks(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size):
+    """The first chunk as a plain prefill (reaching one real token of every left-padded row),
+    then each next chunk appended and every layer compressed back to its budget."""
+    padding = int((attention_mask == 0).sum(-1).max())
+    end = max(chunk_size, padding + 1)
+    logits = prefill_into(model, cache, input_ids[:, :end], attention_mask[:, :end], get_tokenizer)
+    while end < input_ids.shape[1]:
+        start, end = end, min(end + chunk_size, input_ids.shape[1])
+        logits, layers = forward_appended(
+            model, cache, input_ids[:, :end], attention_mask[:, :end], start
+        )
+        _compress_held(layers, attention_mask[:, :end])
+    return logits
+
+
+def _compress_held(layers: list[CompressedLayer], attention_mask: torch.Tensor) -> None:
+    """Every layer back to the policy's share of the real tokens seen, scored with the queries
+    of the chunk just appended (all layers planned at once, for shared budgets)."""
+    if not layers:
+        return
+    policy = layers[0].policy
+    seen = attention_mask.sum(-1)
+    tokens = _token_part(policy)
+    ratio = tokens.ratio if tokens is not None else 0.0
+    budget = seen - torch.floor(seen.double() * ratio + 1e-9).long()
+    inputs = [layer.held_inputs(budget) for layer in layers]
+    if tokens is None:  # channels only: every token stays, the window moves on
+        keeps = [x.head_valid for x in inputs]
+    else:
+        windows = [
+            layer.setup.full_width_window(layer.store, x.num_tokens)
+            for layer, x in zip(layers, inputs, strict=True)
+        ]
+        keeps = [plan.keep for plan in tokens.plan_layers(inputs, windows)]
+    for layer, x, keep in zip(layers, inputs, keeps, strict=True):
+        layer.keep_held(x, keep)
+
+
+def _token_part(policy: Policy) -> Policy | None:
+    """The policy that evicts tokens, or None for channel pruning alone."""
+    if isinstance(policy, ChannelSelector) or (
+        isinstance(policy, Composed) and policy.tokens is None
+    ):
+        return None
+    return token_policy_of(policy)
+
+
+def forward_appended(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+) -> tuple[torch.Tensor, list[CompressedLayer]]:
+    """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``),
+    recording the queries of every compressed layer. Returns the logits after the last token
+    and those layers."""
+    layers = [layer for layer in cache.compressed_layers if layer.is_compressed]
+    for layer in layers:
+        layer.capture_queries = True
+    lengths = attention_mask[:, :start].sum(-1, keepdim=True)
+    new = input_ids[:, start:]
+    positions = lengths + torch.arange(new.shape[1], device=new.device)
+    try:
+        logits = model(
+            new,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+        ).logits
+    finally:
+        for layer in layers:
+            layer.capture_queries = False
+    return logits, layers
+
+
+@torch.no_grad()
+def compress_appended(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+    get_tokenizer: TokenizerSource = _no_tokenizer,
+) -> torch.Tensor:
+    """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``), then
+    compress each layer's tail, these tokens included, with the layer's own policy. Returns the
+    logits after the last token."""
+    logits, layers = forward_appended(model, cache, input_ids, attention_mask, start)
+    if not layers:
+        return logits
+    policy = layers[0].policy
+    if token_policy_of(policy).needs_replay:
+        tail_start = layers[0].store.tail_start
+        prompts = replay.RepeatPrompts(get_tokenizer(), input_ids.device)
+        scorer = replay.replay_scorer(policy)
+        replay.reconstruct(model, cache, input_ids, attention_mask, prompts, scorer, tail_start)
+    inputs = [layer.segment_inputs() for layer in layers]
+    windows = [
+        layer.setup.full_width_window(layer.store, x.num_tokens)
+        for layer, x in zip(layers, inputs, strict=True)
+    ]
+    plans = token_policy_of(policy).plan_layers(inputs, windows)
+    for layer, plan in zip(layers, plans, strict=True):
+        layer.compress_segment(plan.keep)
+    return logits
