@@ -34,11 +34,12 @@ POLICIES = [
 FULL = "full"
 
 
-def build_model():
-    """An attention-bound random Llama: 8 layers, 8 query heads sharing 2 KV heads."""
+def build_model(**fields):
+    """An attention-bound random Llama: 8 layers, 8 query heads sharing 2 KV heads (``fields``
+    change its config)."""
     from kvpatch.testing import tiny_model
 
-    return tiny_model(
+    shape = dict(
         vocab_size=4096,
         hidden_size=512,
         intermediate_size=1024,
@@ -49,6 +50,7 @@ def build_model():
         max_position_embeddings=32768,
         pad_token_id=None,
     )
+    return tiny_model(**{**shape, **fields})
 
 
 def timed_run(

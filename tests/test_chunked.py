@@ -172,3 +172,24 @@ def test_generate_prefills_in_chunks():
     # generate prefilled all but the last prompt token in chunks, then appended one token
     for held, expected_held in zip(cache.physical_lengths(), alone.physical_lengths(), strict=True):
         assert torch.equal(held, expected_held + 1)
+
+
+def test_long_context_benchmark_runs(tmp_path):
+    """``benchmarks/bench_long_context.py`` on a short context: chunks hold less KV at most."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_long_context.py"
+    out = tmp_path / "runs.json"
+    command = [sys.executable, str(script), "--contexts", "2048", "--chunk", "128"]
+    subprocess.run([*command, "--json", str(out), "--threads", "1"], check=True)
+    runs = {run["mode"]: run for run in json.loads(out.read_text())}
+    assert runs["dynamic"]["most_kv_mb"] == runs["dynamic"]["full_kv_mb"]
+    assert runs["chunked"]["cache_mb"] == pytest.approx(runs["oneshot"]["cache_mb"], rel=0.02)
+    assert (
+        runs["chunked"]["most_kv_mb"]
+        < runs["oneshot"]["most_kv_mb"]
+        < runs["dynamic"]["most_kv_mb"]
+    )

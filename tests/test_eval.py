@@ -170,3 +170,28 @@ def test_chat_history_is_compressed_turn_by_turn(tmp_path):
     assert by_spec["kvzip:0.5"]["kv_bytes"] == pytest.approx(0.5 * full, rel=0.05)
     assert by_spec["snapkv:0.5"]["kv_bytes"] < 0.7 * full  # its 64-token window per turn
     assert all(0.0 <= s <= 1.0 for s in by_spec["kvzip:0.5"]["needle_survival"])
+
+
+def test_prefill_in_chunks(tmp_path):
+    """``prefill_chunk`` prefills every compressed cache in chunks: at ratio 0 the answers are
+    the one-shot ones; with eviction, the bytes are the one-shot policy's (the same budget)."""
+    common = dict(
+        model="tiny", samples=1, context_tokens=300, digits=3, plot=False, progress=False,
+        policies=["snapkv", "think:0.5+ada-snapkv"], tasks=["single"],
+    )  # fmt: skip
+    one_shot = run_eval(EvalConfig(**common, ratios=[0.0, 0.5], output=str(tmp_path / "a")))
+    config = EvalConfig(**common, ratios=[0.0, 0.5], prefill_chunk=64, output=str(tmp_path / "b"))
+    assert not config.shared_prefill
+    chunked = run_eval(config)
+    key = lambda r: (r["mode"], r["spec"])
+    a = {key(r): r for r in one_shot["records"]}
+    b = {key(r): r for r in chunked["records"]}
+    assert a.keys() == b.keys()
+    for k in a:
+        if k[1] == "full" or all(term.endswith(":0") for term in k[1].split("+")):
+            assert a[k]["answer"] == b[k]["answer"], k
+        assert b[k]["kv_bytes"] == pytest.approx(a[k]["kv_bytes"], rel=0.03), k
+    with pytest.raises(ValueError, match="cannot be prefilled in chunks"):
+        EvalConfig(model="tiny", policies=["kvzip"], prefill_chunk=64)
+    with pytest.raises(ValueError, match="positive integer"):
+        EvalConfig(model="tiny", prefill_chunk=0)

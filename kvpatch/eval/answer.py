@@ -91,10 +91,12 @@ def answer(
     stop=None,
     tokenizer=None,
     context_cache=None,
+    chunk_size: int | None = None,
 ) -> dict:
     """Answer one sample with its own prefill; ``policy`` None is the full cache on the unpatched
     model. In ``agnostic`` mode the context goes through :func:`kvpatch.prefill` first, or is
-    ``context_cache``, a context already compressed (a copy of it is used)."""
+    ``context_cache``, a context already compressed (a copy of it is used). ``chunk_size``:
+    compressed caches are prefilled in chunks."""
     argument = compat.cache_argument(model)
     ids = sample.input_ids[None].to(model.device)
     split = sample.context_ids.shape[0] if mode == "agnostic" else ids.shape[1]
@@ -106,11 +108,10 @@ def answer(
         cache = DynamicCache(config=model.config)
         out = model(ids[:, :split], use_cache=True, logits_to_keep=1, **{argument: cache})
         logits = out.logits
-    elif mode == "agnostic":
-        cache = kvpatch.prefill(model, ids[:, :split], policy=policy, tokenizer=tokenizer).cache
     else:
-        context = kvpatch.prefill(model, ids, policy=policy, tokenizer=tokenizer)
-        cache, logits = context.cache, context.logits
+        options = dict(policy=policy, tokenizer=tokenizer, chunk_size=chunk_size)
+        context = kvpatch.prefill(model, ids[:, :split], **options)
+        cache, logits = context.cache, (context.logits if mode == "prefill" else None)
     prefill_s = time.perf_counter() - start
     return _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop)
 
@@ -162,19 +163,20 @@ def answer_shared(
 
 
 @torch.no_grad()
-def build_context(model, sample: Sample, policy: str | None, tokenizer=None):
-    """The cache of ``sample``'s context alone: compressed with ``policy`` (:func:`kvpatch.prefill`)
-    or, for None, a full ``DynamicCache``."""
+def build_context(model, sample: Sample, policy: str | None, tokenizer=None, chunk_size=None):
+    """The cache of ``sample``'s context alone: compressed with ``policy`` (:func:`kvpatch.prefill`,
+    in chunks of ``chunk_size`` if given) or, for None, a full ``DynamicCache``."""
     ids = sample.context_ids[None].to(model.device)
     if policy is not None:
-        return kvpatch.prefill(model, ids, policy=policy, tokenizer=tokenizer).cache
+        options = dict(policy=policy, tokenizer=tokenizer, chunk_size=chunk_size)
+        return kvpatch.prefill(model, ids, **options).cache
     cache = DynamicCache(config=model.config)
     model(ids, use_cache=True, logits_to_keep=1, **{compat.cache_argument(model): cache})
     return cache
 
 
 def build_context_cache(
-    model, sample: Sample, spec, prefill: kvpatch.SharedPrefill | None, tokenizer
+    model, sample: Sample, spec, prefill: kvpatch.SharedPrefill | None, tokenizer, chunk_size=None
 ):
     """The (compressed) cache of ``sample``'s context, built once for every question about it,
     and the seconds it took (a reconstruction reused from another ratio included)."""
@@ -186,7 +188,7 @@ def build_context_cache(
         cache = prefill.cache(model, spec, sample.context_ids.shape[0], tokenizer)
         reused = prefill.reused_replay_s
     else:
-        cache = build_context(model, sample, spec, tokenizer)
+        cache = build_context(model, sample, spec, tokenizer, chunk_size)
     return cache, time.perf_counter() - start + reused
 
 

@@ -94,6 +94,14 @@ def parser() -> argparse.ArgumentParser:
         help="one prefill per run instead of one per sample shared by every policy "
         "(same decisions, slower; agnostic mode then goes through kvpatch.prefill)",
     )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prefill compressed caches in chunks of TOKENS, each compressed back to the budget "
+        "(kvpatch.prefill(chunk_size=...)); implies --separate-prefills",
+    )
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p  # fmt: skip

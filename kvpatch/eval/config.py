@@ -43,6 +43,9 @@ class EvalConfig:
     #: one exact prefill per sample, every policy's cache compressed from its recorded queries,
     #: keys and values (much faster; the same decisions); False: one prefill per run
     shared_prefill: bool = True
+    #: prefill compressed caches in chunks of this many tokens (``kvpatch.prefill(chunk_size=)``);
+    #: each run then has its own prefill
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for task in self.tasks:
@@ -55,11 +58,25 @@ class EvalConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.prefill_chunk is not None:
+            self._check_prefill_chunk()
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         for policy in self.policies:
             for ratio in self.ratios:
                 kvpatch.parse_policy(with_ratio(policy, ratio))  # fail early on a typo
+
+    def _check_prefill_chunk(self) -> None:
+        chunk = self.prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {chunk!r}")
+        for policy in self.policies:
+            if kvpatch.parse_policy(with_ratio(policy, 0.5)).needs_replay:
+                raise ValueError(
+                    f"{policy!r} reconstructs the whole context and cannot be prefilled in "
+                    "chunks; drop it or prefill_chunk"
+                )
+        self.shared_prefill = False  # a chunk attends to what earlier chunks left
 
 
 def with_ratio(policy: str, ratio: float) -> str:

@@ -87,8 +87,9 @@ class _Runner:
                 if mode == "agnostic" and (len(group) > 1 or group[0].turns):
                     shared = prefills[0] if prefills else None
                     context_cache, context_s = build_context_cache(
-                        self.model, group[0], spec, shared, self.tokenizer
-                    )
+                        self.model, group[0], spec, shared, self.tokenizer,
+                        self.config.prefill_chunk,
+                    )  # fmt: skip
                 for offset, (index, sample) in enumerate(indexed):
                     prefill = None
                     if prefills:
@@ -105,7 +106,8 @@ class _Runner:
         options = dict(stop=stop, tokenizer=self.tokenizer, context_cache=context_cache)
         if prefill is not None:
             return answer_shared(self.model, sample, prefill, spec, mode, limit, **options)
-        return answer(self.model, sample, spec, mode, limit, **options)
+        chunk = self.config.prefill_chunk
+        return answer(self.model, sample, spec, mode, limit, **options, chunk_size=chunk)
 
     def record(self, index, sample, mode, policy, ratio, spec, result) -> None:
         text = self.codec.decode(result.pop("tokens"))
