@@ -3,11 +3,16 @@
 >>> import kvpatch
 >>> kvpatch.enable(model, "think+snapkv")
 >>> model.generate(**inputs)
+
+Importing kvpatch changes nothing in transformers until ``enable``, except that it registers the
+``"kvpatch-text-generation"`` pipeline (:mod:`kvpatch.pipeline`).
 """
 
 from kvpatch.cache import CacheStats, CompressedDynamicCache, CompressedLayer, cache_nbytes
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
+from kvpatch.pipeline import CompressedQAPipeline
+from kvpatch.pipeline import register as _register_pipeline
 from kvpatch.policies import (
     TOVA,
     AdaKV,
@@ -40,6 +45,7 @@ __all__ = [
     "CompressedContext",
     "CompressedDynamicCache",
     "CompressedLayer",
+    "CompressedQAPipeline",
     "ExpectedAttention",
     "GlobalBudgets",
     "KVzip",
@@ -65,3 +71,5 @@ __all__ = [
     "policy_names",
     "prefill",
 ]
+
+_register_pipeline()

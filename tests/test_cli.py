@@ -1,0 +1,121 @@
+"""The ``kvpatch`` command: generate, chat (driven through stdin), eval and bench, on a tiny
+checkpoint with a byte-level chat tokenizer saved to disk."""
+
+from __future__ import annotations
+
+import io
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvpatch import cli
+from kvpatch.chat import render
+from kvpatch.testing import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-cli")))
+
+
+def unpatched_reply(checkpoint, messages, new_tokens) -> str:
+    """The unpatched model's greedy reply to ``messages`` (the whole conversation at once)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_generate_streams_the_answer_and_reports_the_cache(checkpoint, capsys):
+    """At ratio 0 the streamed text is the unpatched model's answer; stderr tells the bytes."""
+    argv = ["generate", "Where is the key?", "--model", checkpoint, "--policy", "snapkv:0"]
+    assert cli.main([*argv, "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    expected = unpatched_reply(checkpoint, [{"role": "user", "content": "Where is the key?"}], 12)
+    assert out.rstrip("\n") == expected
+    assert "KV cache:" in err and "MiB uncompressed" in err and "tokens/s" in err
+
+
+def test_generate_from_a_file_in_chunks(checkpoint, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a long document. " * 40)
+    argv = ["generate", "--prompt-file", str(prompt), "--model", checkpoint]
+    argv += ["--policy", "knorm:0.5", "--prefill-chunk", "128", "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    saved = float(err.split("(")[1].split("%")[0])
+    assert 40 < saved < 55  # about half of the cache
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["generate", "--model", "MODEL"], "as an argument or with --prompt-file"),
+        (["generate", "x", "--prompt-file", "f", "--model", "MODEL"], "one of them"),
+        (["generate", "x", "--policy", "snapvk", "--model", "MODEL"], "Did you mean 'snapkv'"),
+        (["generate", "x", "--model", "/no/such/model"], "cannot load '/no/such/model' offline"),
+        (["chat", "--policy", "nonsense", "--model", "MODEL"], "unknown policy 'nonsense'"),
+    ],
+    ids=["no-prompt", "two-prompts", "bad-policy", "unknown-model", "chat-bad-policy"],
+)
+def test_bad_arguments_say_what_to_give(checkpoint, capsys, argv, says):
+    argv = [checkpoint if a == "MODEL" else a for a in argv]
+    assert cli.main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def run_chat(checkpoint, monkeypatch, capsys, lines: list[str], policy: str) -> list[str]:
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    argv = ["chat", "--model", checkpoint, "--policy", policy, "--max-new-tokens", "8"]
+    assert cli.main(argv) == 0
+    return capsys.readouterr().out.split("\n")  # replies may hold other line breaks (\x0b)
+
+
+def test_chat_at_ratio_zero_answers_as_the_whole_conversation(checkpoint, monkeypatch, capsys):
+    """Two turns on one cache, each appended and compressed (here: nothing removed): every reply
+    is the unpatched model's reply to the whole conversation so far."""
+    out = run_chat(checkpoint, monkeypatch, capsys, ["hi there", "and then?", "/quit"], "knorm:0")
+    replies = [line.removeprefix("assistant: ") for line in out if line.startswith("assistant: ")]
+    first = unpatched_reply(checkpoint, [{"role": "user", "content": "hi there"}], 8)
+    history = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and then?"},
+    ]
+    assert replies == [first, unpatched_reply(checkpoint, history, 8)]
+
+
+def test_chat_commands(checkpoint, monkeypatch, capsys):
+    lines = ["a first turn " * 10, "/stats", "/policy snapkv:0.25", "/stats", "/reset", "/stats"]
+    out = run_chat(checkpoint, monkeypatch, capsys, [*lines, "/nonsense"], "knorm:0.75")
+    stats = [line for line in out if line.startswith("KV cache")]
+    assert len(stats) == 3
+    saved = [float(s.split("(")[1].split("%")[0]) for s in stats[:2]]
+    assert saved[0] > 60 and 15 < saved[1] < 40  # knorm:0.75, then snapkv:0.25 on the history
+    assert "policy: snapkv" in out and "history cleared" in out
+    assert stats[2].startswith("KV cache: empty")
+    assert out[-2].startswith("/stats:")  # an unknown command prints the help
+
+
+def test_eval_and_bench_subcommands(checkpoint, tmp_path, capsys):
+    argv = ["eval", "--model", "tiny", "--samples", "1", "--ratios", "0.5", "--policies", "knorm"]
+    argv += ["--context-tokens", "100", "--digits", "3", "--no-plot", "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path)]) == 0
+    assert (tmp_path / "results.json").exists()
+    capsys.readouterr()
+    argv = ["bench", "--model", checkpoint, "--context", "300", "--tokens", "4", "--rounds", "1"]
+    assert cli.main([*argv, "--policies", "knorm:0.75", "snapkv:0.5"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| full", "| knorm:0.75", "| snapkv:0.5"]
+
+
+def test_the_console_script_is_declared():
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts.get("kvpatch") == "kvpatch.cli:main"
