@@ -9,6 +9,7 @@ Importing kvpatch changes nothing in transformers until ``enable``, except that 
 """
 
 from kvpatch.cache import CacheStats, CompressedDynamicCache, CompressedLayer, cache_nbytes
+from kvpatch.chat import ChatSession
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.pipeline import CompressedQAPipeline
@@ -42,6 +43,7 @@ __all__ = [
     "TOVA",
     "AdaKV",
     "CacheStats",
+    "ChatSession",
     "CompressedContext",
     "CompressedDynamicCache",
     "CompressedLayer",
