@@ -272,3 +272,14 @@ def flash_functions(flash_attn_func: Callable, flash_attn_varlen_func: Callable)
         _installed_flash = None
         for name, value in saved.items():
             setattr(flash_utils, name, value)
+
+
+def tensor_parallel_kwargs(world_size: int) -> dict:
+    """``from_pretrained`` arguments that shard a model's heads over ``world_size`` processes
+    (run under ``torchrun``): ``tp_plan="auto"`` up to 5.14; from 5.15 a ``DistributedConfig``
+    with ``tp_size`` (5.18 removes the ``tp_plan`` argument)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    if "tp_size" not in inspect.signature(DistributedConfig).parameters:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_size=world_size)}
