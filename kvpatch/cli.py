@@ -13,6 +13,7 @@ downloaded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -87,7 +88,7 @@ def run_generate(args) -> int:
         config=model.config, prefill_chunk_size=args.prefill_chunk
     )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer):
+    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):
         start = time.perf_counter()
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), streamer=streamer, do_sample=False,
@@ -99,6 +100,30 @@ def run_generate(args) -> int:
     print(f"\n{cache.stats()} · {new} tokens in {seconds:.1f} s", file=sys.stderr)
     print(f"({new / seconds:.1f} tokens/s, prompt {ids.shape[1]} tokens)", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _prefill_bar(model, ids: torch.Tensor):
+    """A progress bar on stderr over the prompt's tokens, advanced by every forward that reads
+    more than one token (each chunk of a chunked prefill); none without tqdm."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        yield
+        return
+    bar = tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr, leave=False)
+
+    def advance(module, args, kwargs):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is not None and tokens.shape[-1] > 1:
+            bar.update(tokens.shape[-1])
+
+    hook = model.get_decoder().register_forward_pre_hook(advance, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+        bar.close()
 
 
 CHAT_HELP = "/stats: KV bytes held · /policy NAME: compress with NAME · /reset · /quit"
