@@ -59,10 +59,11 @@ def prefill_into(
 
 
 def _prefill_in_chunks(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size):
-    """The first chunk as a plain prefill (reaching one real token of every left-padded row),
-    then each next chunk appended and every layer compressed back to its budget."""
+    """The first chunk as a plain prefill (reaching one real token of every left-padded row, and
+    two tokens at least: a one-token prefill is not compressed), then each next chunk appended
+    and every layer compressed back to its budget."""
     padding = int((attention_mask == 0).sum(-1).max())
-    end = max(chunk_size, padding + 1)
+    end = max(chunk_size, padding + 1, 2)
     logits = prefill_into(model, cache, input_ids[:, :end], attention_mask[:, :end], get_tokenizer)
     while end < input_ids.shape[1]:
         start, end = end, min(end + chunk_size, input_ids.shape[1])

@@ -193,3 +193,11 @@ def test_long_context_benchmark_runs(tmp_path):
         < runs["oneshot"]["most_kv_mb"]
         < runs["dynamic"]["most_kv_mb"]
     )
+
+
+def test_chunks_of_one_token_still_compress():
+    """A one-token prefill is kept as it is, so the first chunk takes two tokens at least."""
+    model = make_model("llama")
+    with kvpatch.enabled(model, "knorm:0.5"):
+        context = kvpatch.prefill(model, prompt(40), chunk_size=1)
+    assert all((n == 20).all() for n in context.cache.physical_lengths())
