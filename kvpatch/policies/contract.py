@@ -104,8 +104,8 @@ class LayerInputs:
         key_pos = torch.arange(t, device=q.device)
         visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
         visible = visible & self.head_valid[:, :, None, None, :]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        return scores.softmax(dim=-1).nan_to_num(0.0)
+        scores.masked_fill_(~visible, float("-inf"))  # in place: [w, t] per head, at every layer
+        return scores.softmax(dim=-1).nan_to_num_(0.0)
 
 
 @dataclass
