@@ -90,3 +90,21 @@ def test_ask_many_example(real_model, capsys):
     printed = capsys.readouterr().out
     assert printed.count("expected") == 4
     assert printed.count("(25%)") == 2
+
+
+def test_kvpatch_chat_with_no_flags_talks_to_the_demo_model(real_model, monkeypatch, capsys):
+    """``kvpatch chat`` (the embedded model, its default policy) keeps a conversation about a
+    fact given in the first turn, on a compressed history, and shows its bytes."""
+    import io
+
+    from kvpatch import cli
+
+    turns = ["My locker code is 4417. Please remember it.", "What is my locker code?", "/stats"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/quit"]) + "\n"))
+    assert cli.main(["chat", "--max-new-tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    replies = [line for line in out.split("\n") if line.startswith("assistant: ")]
+    assert len(replies) == 2 and all(len(r) > len("assistant: ") for r in replies)
+    assert "4417" in replies[1]
+    stats = next(line for line in out.split("\n") if line.startswith("KV cache:"))
+    assert "saved" in stats and "2 turns" in stats
