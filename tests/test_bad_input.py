@@ -159,6 +159,48 @@ def _half_precision(dtype):
     return run
 
 
+_checkpoint = []
+
+
+def _tiny_checkpoint() -> str:
+    """A tiny model with a chat tokenizer saved once per test session."""
+    if not _checkpoint:
+        import tempfile
+
+        from kvpatch.testing import save_tiny_checkpoint
+
+        _checkpoint.append(save_tiny_checkpoint(tempfile.mkdtemp(prefix="kvpatch-bad-input-")))
+    return _checkpoint[0]
+
+
+def _ask(**call):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    path = _tiny_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ask = pipeline(
+        "kvpatch-text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(path)
+    )
+    return lambda: ask(**call)
+
+
+def _chat(policy="knorm:0.5"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _tiny_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return kvpatch.ChatSession(model, AutoTokenizer.from_pretrained(path), policy)
+
+
+def _cli(*argv):
+    from kvpatch import cli
+
+    def run():
+        assert cli.main(list(argv)) == 2
+
+    return run
+
+
 def _is_enabled_on_anything():
     assert kvpatch.is_enabled("a string") is False
 
@@ -226,6 +268,12 @@ CASES = [
     Case("CompressedContext.generate", "another batch size", lambda: _context().generate(prompt(3, batch=2)), ValueError, "batch size"),
     Case("CompressedContext.generate", "an empty question", lambda: _context().generate(prompt(3)[:, :0]), ValueError, "at least one token"),
     Case("CompressedContext.extend", "token ids as a list", lambda: _context().extend([1, 2]), TypeError, "torch.Tensor"),
+    Case("pipeline", "no question", lambda: _ask(context="a text")(), ValueError, "question= or questions="),
+    Case("pipeline", "an empty context", lambda: _ask(context="", question="why?", policy="snapkv")(), ValueError, "non-empty text"),
+    Case("pipeline", "no policy, on a model not enabled", lambda: _ask(context="a text", question="why?")(), ValueError, "needs a policy"),
+    Case("ChatSession", "no policy, on a model not enabled", lambda: _chat(None), ValueError, "needs a policy"),
+    Case("ChatSession", "an empty turn", lambda: _chat().ask("  "), ValueError, "needs some text"),
+    Case("kvpatch command", "no prompt (exit status 2)", _cli("generate"), None),
     Case("eval CLI", "an unknown policy", lambda: EvalConfig(policies=["snapvk"]), ValueError, "Did you mean"),
     Case("eval CLI", "no samples", lambda: EvalConfig(samples=0), ValueError, ">= 1"),
     Case("eval CLI", "a context too short for a haystack", lambda: EvalConfig(context_tokens=5), ValueError, ">= 64"),
