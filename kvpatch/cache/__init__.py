@@ -4,7 +4,8 @@
 - :mod:`~kvpatch.cache.layer` — :class:`CompressedLayer`, one layer's life: dense prefill,
   compression, appending;
 - :mod:`~kvpatch.cache.store` — the compressed layout: a packed part and a full-width tail;
-- :mod:`~kvpatch.cache.packed` — variable-length heads and channel-pruned keys, back to back;
+- :mod:`~kvpatch.cache.packed` — variable-length heads, channel-pruned keys and values, back to
+  back;
 - :mod:`~kvpatch.cache.buffer` — the tail's storage, grown with spare room;
 - :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment, a
   prefill chunk;

@@ -1,8 +1,8 @@
 """Packed storage of the compressed part of one layer's cache.
 
 Every (batch row, KV head) keeps its own number of tokens. Their keys and values are stored
-back to back in row-major (row, head, position) order, with no padding; keys hold only the
-kept channels of their head.
+back to back in row-major (row, head, position) order, with no padding; keys and values hold
+only the kept channels of their head.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """How a compressed layer holds its tokens: a packed part and a dense, full-width tail.
 
 The packed part (:class:`~kvpatch.cache.packed.PackedKV`) is what a policy kept of the tokens
-before ``tail_start``: variable-length heads, channel-pruned keys. The tail is every token from
-``tail_start`` on at full width: a channel policy's recent window, then each token appended
-since. Tail tokens live in a :class:`~kvpatch.cache.buffer.GrowingBuffer`, so that appending a
-decoded token copies that token only.
+before ``tail_start``: variable-length heads, channel-pruned keys and values. The tail is every
+token from ``tail_start`` on at full width: a channel policy's recent window, then each token
+appended since. Tail tokens live in a :class:`~kvpatch.cache.buffer.GrowingBuffer`, so that
+appending a decoded token copies that token only.
 """
 
 from __future__ import annotations
