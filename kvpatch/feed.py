@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from kvpatch import compat, replay
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer, token_policy_of
-from kvpatch.policies import ChannelSelector, Composed, Policy
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer, token_part, token_policy_of
+from kvpatch.policies import LayerInputs
 
 TokenizerSource = Callable[[], object]
 
@@ -79,31 +79,25 @@ def _compress_held(layers: list[CompressedLayer], attention_mask: torch.Tensor) 
     of the chunk just appended (all layers planned at once, for shared budgets)."""
     if not layers:
         return
-    policy = layers[0].policy
     seen = attention_mask.sum(-1)
-    tokens = _token_part(policy)
+    tokens = token_part(layers[0].policy)
     ratio = tokens.ratio if tokens is not None else 0.0
     budget = seen - torch.floor(seen.double() * ratio + 1e-9).long()
     inputs = [layer.held_inputs(budget) for layer in layers]
     if tokens is None:  # channels only: every token stays, the window moves on
         keeps = [x.head_valid for x in inputs]
     else:
-        windows = [
-            layer.setup.full_width_window(layer.store, x.num_tokens)
-            for layer, x in zip(layers, inputs, strict=True)
-        ]
-        keeps = [plan.keep for plan in tokens.plan_layers(inputs, windows)]
+        keeps = [plan.keep for plan in tokens.plan_layers(inputs, _windows(layers, inputs))]
     for layer, x, keep in zip(layers, inputs, keeps, strict=True):
         layer.keep_held(x, keep)
 
 
-def _token_part(policy: Policy) -> Policy | None:
-    """The policy that evicts tokens, or None for channel pruning alone."""
-    if isinstance(policy, ChannelSelector) or (
-        isinstance(policy, Composed) and policy.tokens is None
-    ):
-        return None
-    return token_policy_of(policy)
+def _windows(layers: list[CompressedLayer], inputs: list[LayerInputs]) -> list:
+    """Per layer, which of its ``inputs``' tokens stay full width (always kept), or None."""
+    return [
+        layer.setup.full_width_window(layer.store, x.num_tokens)
+        for layer, x in zip(layers, inputs, strict=True)
+    ]
 
 
 def forward_appended(
@@ -159,11 +153,7 @@ def compress_appended(
         scorer = replay.replay_scorer(policy)
         replay.reconstruct(model, cache, input_ids, attention_mask, prompts, scorer, tail_start)
     inputs = [layer.segment_inputs() for layer in layers]
-    windows = [
-        layer.setup.full_width_window(layer.store, x.num_tokens)
-        for layer, x in zip(layers, inputs, strict=True)
-    ]
-    plans = token_policy_of(policy).plan_layers(inputs, windows)
+    plans = token_policy_of(policy).plan_layers(inputs, _windows(layers, inputs))
     for layer, plan in zip(layers, plans, strict=True):
         layer.compress_segment(plan.keep)
     return logits

@@ -192,8 +192,7 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
             checks.no_empty_rows(kwargs["attention_mask"])
         policy = cache.policy if cache.policy is not None else policy_of(model)
         check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
-        needs_replay = policy is not None and policy.needs_replay
-        if needs_replay or (policy is not None and cache.prefill_chunk_size is not None):
+        if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
             _prefill_for_generate(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
 

@@ -20,6 +20,7 @@ from kvpatch.cache.recompress import (
     RECENT_QUERIES,
     DecodeBudget,
     check_chunk_size,
+    token_part,
     token_policy_of,
 )
 from kvpatch.cache.replay_chunk import ReplayChunk
@@ -41,6 +42,7 @@ __all__ = [
     "cache_nbytes",
     "check_chunk_size",
     "mark",
+    "token_part",
     "token_policy_of",
     "view_of",
 ]

@@ -107,16 +107,23 @@ class LayerSetup:
         return window
 
 
-def token_policy_of(policy: Policy) -> Policy:
-    """The part of ``policy`` that evicts tokens (what re-compression runs)."""
-    if isinstance(policy, Composed) and policy.tokens is not None:
+def token_part(policy: Policy) -> Policy | None:
+    """The part of ``policy`` that evicts tokens, or None for channel pruning alone."""
+    if isinstance(policy, Composed):
         return policy.tokens
-    if isinstance(policy, (ChannelSelector, Composed)):
+    return None if isinstance(policy, ChannelSelector) else policy
+
+
+def token_policy_of(policy: Policy) -> Policy:
+    """The part of ``policy`` that evicts tokens (what re-compression runs); raises for
+    channel pruning alone."""
+    tokens = token_part(policy)
+    if tokens is None:
         raise ValueError(
             f"decoding-time compression needs a token policy (snapkv, ada-snapkv, ...); "
             f"{policy.name!r} only prunes channels"
         )
-    return policy
+    return tokens
 
 
 def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
