@@ -19,17 +19,33 @@ from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, is_enabled, policy_of
 from kvpatch.policies import Policy, parse_policy
 
+#: stands for the text a user turn is split at
+_MARKER = "\x00kvpatch-split\x00"
+
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """``messages`` as text: the tokenizer's chat template, or plain ``Role: text`` lines."""
-    if not messages:
-        return ""
+    """``messages`` as text: the tokenizer's chat template (no turns: no text), or plain
+    ``Role: text`` lines."""
     if getattr(tokenizer, "chat_template", None):
+        if not messages:
+            return ""
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
     return text + ("Assistant:" if add_generation_prompt else "")
+
+
+def split_turn(tokenizer, head: str = "") -> tuple[str, str]:
+    """The chat template's text of one user turn (and the assistant's prefix) before and after
+    the point just past ``head``: ``("<user marker>" + head, "<end of turn><assistant marker>")``;
+    ``("", "")`` without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", ""
+    messages = [{"role": "user", "content": head + _MARKER}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    before, _, after = text.partition(_MARKER)
+    return before, after
 
 
 class ChatSession:

@@ -19,13 +19,12 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
+from kvpatch.chat import split_turn
 from kvpatch.context import prefill
 from kvpatch.patching import disable, enable, is_enabled
 from kvpatch.policies import parse_policy
 
 TASK = "kvpatch-text-generation"
-#: where the question goes in the rendered chat template
-_MARKER = "\x00kvpatch-question\x00"
 
 
 class CompressedQAPipeline(Pipeline):
@@ -80,13 +79,7 @@ class CompressedQAPipeline(Pipeline):
         """The text before the question (the context in its turn) and after it."""
         if not chat_template or not getattr(self.tokenizer, "chat_template", None):
             return context, "\n"
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + _MARKER}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        before, _, after = text.partition(_MARKER)
-        return before, after
+        return split_turn(self.tokenizer, head=context)
 
     def _forward(self, model_inputs: dict, policy=None, generate_kwargs=None) -> dict:
         model, options = self.model, dict(generate_kwargs or {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvpatch.chat import render, split_turn
+
 
 class Codec:
     """Text to token ids and back, with the character span of every token."""
@@ -19,9 +21,8 @@ class Codec:
         return "", ""
 
     def conversation(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """``messages`` (``{"role", "content"}``) as text: the chat template, or plain turns."""
-        text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
-        return text + ("Assistant:" if add_generation_prompt else "")
+        """``messages`` (``{"role", "content"}``) as text: plain ``Role: text`` turns."""
+        return render(None, messages, add_generation_prompt)
 
 
 class HFCodec(Codec):
@@ -39,22 +40,11 @@ class HFCodec(Codec):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def wrap(self, user_text: str) -> tuple[str, str]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return "", ""
-        marker = "\x00KVPATCH\x00"
-        messages = [{"role": "user", "content": marker}]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        before, _, after = text.partition(marker)
-        return before, after
+        return split_turn(self.tokenizer)
 
     def conversation(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return super().conversation(messages, add_generation_prompt)
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The chat template (plain turns without one)."""
+        return render(self.tokenizer, messages, add_generation_prompt)
 
 
 class ByteCodec(Codec):
