@@ -7,10 +7,12 @@ import argparse
 import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+ACCEPTED = "'demo', a local checkpoint directory, or a model name already in the Hugging Face cache"
 
 
-def load_model(model: str, attn: str, dtype: str):
-    """``(model, tokenizer)`` for ``--model``; raises ValueError saying what is accepted."""
+def load_model(model: str, attn: str, dtype: str, accepted: str = ACCEPTED):
+    """``(model, tokenizer)`` for ``demo`` (the embedded SmolLM2), a local checkpoint directory
+    or a cached hub name (never downloaded); otherwise a ValueError naming ``accepted``."""
     torch_dtype = getattr(torch, dtype)
     if model == "demo":
         from kvpatch import demo
@@ -25,8 +27,7 @@ def load_model(model: str, attn: str, dtype: str):
         )
     except (OSError, ValueError) as error:
         raise ValueError(
-            f"cannot load {model!r} offline ({error.__class__.__name__}): --model takes 'demo', "
-            "a local checkpoint directory, or a model name already in the Hugging Face cache"
+            f"cannot load {model!r} offline ({error.__class__.__name__}): --model takes {accepted}"
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

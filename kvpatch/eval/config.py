@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kvpatch
+from kvpatch import loading
 from kvpatch.eval.codecs import ByteCodec, HFCodec
 from kvpatch.eval.tasks import TASKS
 from kvpatch.testing import tiny_model
@@ -18,7 +19,12 @@ MODES = ("prefill", "agnostic")
 FULL = "full"
 #: a haystack needs room around its needles and question
 MIN_CONTEXT_TOKENS = 64
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = loading.DTYPES
+#: what ``model`` may name
+MODELS = (
+    "'demo' (the embedded SmolLM2), 'tiny' (a random model), a local checkpoint directory, or a "
+    "model name already in the Hugging Face cache"
+)
 
 
 @dataclass
@@ -97,21 +103,5 @@ def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float
             max_position_embeddings=8192,
         )
         return model, ByteCodec()
-    if name == "demo":
-        from kvpatch import demo
-
-        model, tokenizer = demo.load(dtype=torch_dtype, attn_implementation=attn_implementation)
-        return model, HFCodec(tokenizer)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:  # a local directory, or a hub name already in the local cache: no download
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
-        ).eval()
-    except OSError as error:
-        raise ValueError(
-            f"no model {name!r} here: give 'demo' (the embedded SmolLM2), 'tiny' (a random "
-            "model), a local checkpoint directory, or a hub name already downloaded"
-        ) from error
+    model, tokenizer = loading.load_model(name, attn_implementation, dtype, MODELS)
     return model, HFCodec(tokenizer)
