@@ -16,12 +16,14 @@ already enabled keeps its state; one that is not is enabled for the call and dis
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from kvpatch.chat import split_turn
 from kvpatch.context import prefill
-from kvpatch.patching import disable, enable, is_enabled
+from kvpatch.patching import enabled, is_enabled
 from kvpatch.policies import parse_policy
 
 TASK = "kvpatch-text-generation"
@@ -86,24 +88,24 @@ class CompressedQAPipeline(Pipeline):
         options.setdefault("do_sample", False)
         if options.get("pad_token_id") is None and self.tokenizer.pad_token_id is not None:
             options["pad_token_id"] = self.tokenizer.pad_token_id
-        enabled_here = not is_enabled(model)
-        if enabled_here:
-            if policy is None:
-                raise ValueError(
-                    f"{TASK} needs a policy: pipeline({TASK!r}, ..., policy='snapkv:0.5') or a "
-                    "model enabled with one (kvpatch.enable(model, policy))"
-                )
-            enable(model, policy, tokenizer=self.tokenizer)
-        try:
+        if not is_enabled(model) and policy is None:
+            raise ValueError(
+                f"{TASK} needs a policy: pipeline({TASK!r}, ..., policy='snapkv:0.5') or a "
+                "model enabled with one (kvpatch.enable(model, policy))"
+            )
+        # a model enabled here is disabled after; an enabled one is left as it is
+        scope = (
+            contextlib.nullcontext()
+            if is_enabled(model)
+            else enabled(model, policy, self.tokenizer)
+        )
+        with scope:
             ids = model_inputs["context_ids"].to(model.device)
             context = prefill(model, ids, policy=policy, tokenizer=self.tokenizer)
             answers = [
                 context.generate(q.to(model.device), **options)
                 for q in model_inputs["question_ids"]
             ]
-        finally:
-            if enabled_here:
-                disable(model)
         stats = context.cache.stats()
         return {"answers": answers, "questions": model_inputs["questions"], "stats": stats}
 
