@@ -66,7 +66,6 @@ class ChatSession:
             self.generate_kwargs["pad_token_id"] = tokenizer.pad_token_id or tokenizer.eos_token_id
         self.messages: list[dict] = []
         self.context: CompressedContext | None = None
-        self._held_back: torch.Tensor | None = None  # the prompt's last token, asked with
         self.set_policy(policy)
 
     @property
@@ -89,7 +88,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation."""
-        self.messages, self.context, self._held_back = [], None, None
+        self.messages, self.context = [], None
 
     def ask(self, text: str, streamer=None) -> str:
         """Add the user's ``text``, generate the reply (streamed to ``streamer`` if given) and add
@@ -101,15 +100,12 @@ class ChatSession:
         prompt = render(self.tokenizer, self.messages, add_generation_prompt=True)
         ids = self._ids(self._added(before, prompt))
         self._append(ids[:, :-1])
-        self._held_back = ids[:, -1:]
-        reply_ids = self.context.generate(
-            self._held_back, streamer=streamer, **self.generate_kwargs
-        )
+        last = ids[:, -1:]  # generate is asked with the prompt's last token
+        reply_ids = self.context.generate(last, streamer=streamer, **self.generate_kwargs)
         reply = self.tokenizer.decode(reply_ids[0], skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": reply})
         end = self._ids(self._added(prompt, render(self.tokenizer, self.messages)))
-        self._append(torch.cat([self._held_back, end], dim=-1))
-        self._held_back = None
+        self._append(torch.cat([last, end], dim=-1))
         return reply
 
     def stats(self):

@@ -29,6 +29,18 @@ def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return random_prompt(length, batch, seed)
 
 
+def unpatched_chat_reply(model, tokenizer, messages: list[dict], new_tokens: int) -> str:
+    """The unpatched model's greedy reply to ``messages`` (the whole conversation at once, through
+    the tokenizer's chat template: none of kvpatch's turn splitting)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
 def pytest_report_header(config):
     return f"transformers {transformers.__version__}, torch {torch.__version__}"
 

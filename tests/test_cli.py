@@ -7,11 +7,10 @@ import io
 from importlib.metadata import entry_points
 
 import pytest
-import torch
+from conftest import unpatched_chat_reply
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpatch import cli
-from kvpatch.chat import render
 from kvpatch.testing import save_tiny_checkpoint
 
 
@@ -24,13 +23,7 @@ def unpatched_reply(checkpoint, messages, new_tokens) -> str:
     """The unpatched model's greedy reply to ``messages`` (the whole conversation at once)."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    text = render(tokenizer, messages, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return unpatched_chat_reply(model, tokenizer, messages, new_tokens)
 
 
 def test_generate_streams_the_answer_and_reports_the_cache(checkpoint, capsys):

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from conftest import unpatched_chat_reply
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -36,16 +37,7 @@ def loaded(checkpoint):
 def full_cache_answer(model, tokenizer, question: str, new_tokens: int) -> str:
     """The unpatched model on the whole chat-templated prompt: context and question together."""
     messages = [{"role": "user", "content": CONTEXT + "\n\n" + question}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return unpatched_chat_reply(model, tokenizer, messages, new_tokens)
 
 
 def test_pipeline_at_ratio_zero_answers_as_the_full_model(loaded):
