@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvpatch import compat
-from kvpatch.cache import CompressedView, PrefillView, ReplayView, view_of
+from kvpatch import compat, packed_attention
+from kvpatch.cache import CompressedView, PackedView, PrefillView, ReplayView, view_of
 from kvpatch.fake_keys import fake_keys
 from kvpatch.policies import LayerInputs, Policy
 
@@ -91,6 +91,11 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
         output = original(module, query, key, value, attention_mask, **kwargs)
         _compress_prefill(view, module, query, key, value, attention_mask, kwargs)
         return output
+    if isinstance(view, PackedView):
+        if backend == "sdpa" and packed_attention.serves(view.store, query, kwargs):
+            return _attend_packed(module, query, attention_mask, view, kwargs)
+        key, value = view.store.padded_view(view.layer)
+        view = view_of(key)
     if isinstance(view, CompressedView):
         return _attend_compressed(
             backend, original, module, query, key, value, attention_mask, view, kwargs
@@ -162,6 +167,14 @@ def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torc
     if last_row.dtype == torch.bool:
         return last_row.clone()
     return last_row == 0
+
+
+def _attend_packed(module, query, attention_mask, view: PackedView, kwargs):
+    view.layer.remember_queries(query)
+    store = view.store
+    visible = packed_attention.tail_visibility(attention_mask, store, query)
+    output = packed_attention.attend(store, query, visible, _scaling(module, query, kwargs))
+    return output, None
 
 
 def _attend_compressed(backend, original, module, query, key, value, attention_mask, view, kwargs):

@@ -8,7 +8,7 @@ from conftest import make_model, prompt
 from oracle import evictions_of, greedy_logits, oracle_logits
 
 import kvpatch
-from kvpatch import CompressedDynamicCache
+from kvpatch import CompressedDynamicCache, packed_attention
 
 ORACLE_POLICIES = [
     "knorm:0.5",
@@ -34,10 +34,14 @@ def compressed_run(model, policy: str, ids: torch.Tensor):
     return logits, tokens, cache
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa-padded", "eager"])
 @pytest.mark.parametrize("policy", ORACLE_POLICIES)
-def test_compressed_cache_matches_oracle(policy, attn):
-    model = make_model("llama", attn)
+def test_compressed_cache_matches_oracle(policy, attn, monkeypatch):
+    """``sdpa`` reads packed storage in place on the CPU; ``sdpa-padded`` takes the padded view
+    with fake keys, as on an accelerator."""
+    if attn == "sdpa-padded":
+        monkeypatch.setattr(packed_attention, "DEVICES", ())
+    model = make_model("llama", attn.removesuffix("-padded"))
     ids = prompt(400)
     logits, tokens, cache = compressed_run(model, policy, ids)
     evictions = evictions_of(cache)
@@ -70,6 +74,7 @@ def test_explicit_mask_fallback_matches_oracle(policy, monkeypatch):
         return keys, torch.zeros_like(ok)
 
     monkeypatch.setattr(attention, "fake_keys", failing)
+    monkeypatch.setattr(packed_attention, "DEVICES", ())  # the padded view, with fake keys
     for attn in ("sdpa", "eager"):
         model = make_model("llama", attn)
         ids = prompt(300)

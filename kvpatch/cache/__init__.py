@@ -25,7 +25,15 @@ from kvpatch.cache.recompress import (
 )
 from kvpatch.cache.replay_chunk import ReplayChunk
 from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
-from kvpatch.cache.views import CompressedView, PrefillView, ReplayView, View, mark, view_of
+from kvpatch.cache.views import (
+    CompressedView,
+    PackedView,
+    PrefillView,
+    ReplayView,
+    View,
+    mark,
+    view_of,
+)
 
 __all__ = [
     "RECENT_QUERIES",
@@ -35,6 +43,7 @@ __all__ = [
     "CompressedView",
     "DecodeBudget",
     "LayerStats",
+    "PackedView",
     "PrefillView",
     "ReplayChunk",
     "ReplayView",

@@ -15,7 +15,7 @@ import torch
 
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
-from kvpatch.cache.views import CompressedView, mark
+from kvpatch.cache.views import CompressedView, PackedView, mark
 from kvpatch.policies import Plan
 
 if TYPE_CHECKING:
@@ -191,6 +191,16 @@ class CompressedStore:
         return keys, values
 
     def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer's ``update`` returns: the padded view when it costs no copy (every token
+        stored dense), else the tail marked :class:`~kvpatch.cache.views.PackedView`, from which
+        the attention function reads the packed tokens in place or asks for
+        :meth:`padded_view`."""
+        if self.packed.keys is None:
+            return self.padded_view(layer)
+        keys, values = self.tail()
+        return mark(keys, PackedView(layer, self)), values
+
+    def padded_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`dense`, marked with the :class:`~kvpatch.cache.views.CompressedView` that the
         attention function reads."""
         keys, values = self.dense()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvpatch.cache.decode import DecodeBudget
     from kvpatch.cache.layer import CompressedLayer
     from kvpatch.cache.replay_chunk import ReplayChunk
+    from kvpatch.cache.store import CompressedStore
     from kvpatch.policies import Policy
 
 _VIEW_ATTRIBUTE = "_kvpatch_view"
@@ -67,7 +68,16 @@ class CompressedView:
     padding_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-View = PrefillView | CompressedView | ReplayView
+@dataclass
+class PackedView:
+    """Marks the tail of a layer whose packed tokens stay in ``store``: the attention function
+    reads them there (:mod:`kvpatch.packed_attention`) or asks the store for its padded view."""
+
+    layer: CompressedLayer
+    store: CompressedStore
+
+
+View = PrefillView | CompressedView | PackedView | ReplayView
 
 
 def mark(keys: torch.Tensor, view: View) -> torch.Tensor:
