@@ -1,11 +1,14 @@
 """Memory and speed of compressed caches against DynamicCache, measured side by side.
 
 For each context length and policy, one fresh process (so that its peak memory is its own)
-builds the same random Llama-style model, prefills the context and decodes a few tokens, timing
-every step. Prefill and decode times are reported as ratios to the full cache measured in the
-same run (medians of ``--repeats`` runs, with their spread).
+builds the same random Llama-style model and runs ``generate`` on the context, with a stopping
+criterion that stamps the clock after every step: decode steps are timed where they happen.
+Two baselines run in the same rounds: the full ``DynamicCache``, and the *limit* of each ratio r
+(a ``DynamicCache`` holding ``(1 - r) * n`` tokens, which no cache keeping that share of the
+tokens can beat). Configurations are interleaved round by round against the machine's drift;
+the table gives medians of ``--repeats`` rounds and ratios to the baselines.
 
-    python benchmarks/bench_cache.py --contexts 2048 8192 16384
+    python benchmarks/bench_cache.py --contexts 2048 4096 8192 16384 --threads 1
 """
 
 from __future__ import annotations
@@ -21,17 +24,50 @@ import time
 
 import torch
 
+from kvpatch.bench import StepClock
 from kvpatch.cache import cache_nbytes
 
 POLICIES = [
-    "snapkv:0.5",
     "snapkv:0.75",
-    "ada-snapkv:0.5",
     "ada-snapkv:0.75",
-    "think:0.5+snapkv:0.5",
     "think:0.5+snapkv:0.75",
+    "snapkv:0.5",
+    "ada-snapkv:0.5",
 ]
 FULL = "full"
+LIMIT = "limit"
+
+
+def token_ratio(policy: str) -> float:
+    """The share of tokens ``policy`` evicts (its token term's ratio; 0 for channels only)."""
+    terms = [t for t in policy.split("+") if not t.startswith("think")]
+    return float(terms[-1].rsplit(":", 1)[1]) if terms else 0.0
+
+
+def limits_of(policies: list[str]) -> list[str]:
+    """The limit configurations the policies are compared with, ``limit:R`` for each ratio."""
+    ratios = sorted({token_ratio(p) for p in policies})
+    return [f"{LIMIT}:{r:g}" for r in ratios]
+
+
+def dynamic_cache_run(label: str, context: int, decode_tokens: int, threads: int) -> dict:
+    """A baseline: the full DynamicCache, or ``limit:R`` (one holding ``(1 - R) * context``
+    tokens)."""
+    from transformers import DynamicCache
+
+    set_threads(threads)
+    model = build_model()
+    tokens = context
+    if label.startswith(LIMIT):
+        tokens = round(context * (1 - float(label.split(":")[1])))
+    cache = DynamicCache(config=model.config)
+    result = timed_run(model, cache, "past_key_values", label, tokens, decode_tokens)
+    return {**result, "context": context}
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def build_model(**fields):
@@ -60,48 +96,40 @@ def timed_run(
     policy: str,
     context: int,
     decode_tokens: int,
-    prefill_context=None,
+    around=None,
 ) -> dict:
-    """Prefill ``context`` random tokens into ``cache`` (inside ``prefill_context``), then decode
-    ``decode_tokens`` greedily, timing each forward."""
+    """``generate`` on ``context`` random tokens into ``cache`` (inside ``around``, e.g. a
+    kvpress press), decoding ``decode_tokens`` greedily; the clock stamps every step."""
     ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
-    steps = []
-    with torch.inference_mode():
+    clock = StepClock()
+    with torch.inference_mode(), around or contextlib.nullcontext():
         start = time.perf_counter()
-        with prefill_context or contextlib.nullcontext():
-            out = model(ids, **{cache_argument: cache})
-        prefill = time.perf_counter() - start
-        held = cache_nbytes(cache)
-        for _ in range(decode_tokens):
-            token = out.logits[:, -1:].argmax(-1)
-            start = time.perf_counter()
-            out = model(token, **{cache_argument: cache})
-            steps.append(time.perf_counter() - start)
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode_tokens + 1,
+            min_new_tokens=decode_tokens + 1, do_sample=False, pad_token_id=0,
+            stopping_criteria=[clock], **{cache_argument: cache},
+        )  # fmt: skip
     return {
         "policy": policy,
         "context": context,
-        "kv_bytes": held,
-        "prefill_s": prefill,
-        "decode_s": statistics.median(steps[1:] or steps),
+        "kv_bytes": cache_nbytes(cache),
+        "prefill_s": clock.stamps[0] - start,  # the prefill and its first token
+        "decode_s": clock.step_seconds(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
 def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
-    """One run in this process: prefill ``context`` tokens, then decode ``decode_tokens``."""
-    from transformers import DynamicCache
-
+    """One run in this process: generate on ``context`` tokens, decoding ``decode_tokens``."""
     import kvpatch
     from kvpatch import compat
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    if policy == FULL or policy.startswith(LIMIT):
+        return dynamic_cache_run(policy, context, decode_tokens, threads)
+    set_threads(threads)
     model = build_model()
-    if policy == FULL:
-        cache = DynamicCache(config=model.config)
-    else:
-        kvpatch.enable(model, policy)
-        cache = kvpatch.CompressedDynamicCache(config=model.config)
+    kvpatch.enable(model, policy)
+    cache = kvpatch.CompressedDynamicCache(config=model.config)
     return timed_run(model, cache, compat.cache_argument(model), policy, context, decode_tokens)
 
 
@@ -118,21 +146,35 @@ def spread(values: list[float]) -> str:
 
 
 def print_rows(context: int, measured: dict[str, list[dict]]) -> None:
-    """One table row per policy: medians (and spreads) of the ratios to the full cache."""
+    """One markdown row per policy: medians (and spreads) of the ratios to the baselines."""
+    median = statistics.median
     full = measured[FULL]
-    full_prefill = statistics.median(r["prefill_s"] for r in full)
-    full_decode = statistics.median(r["decode_s"] for r in full)
+    full_prefill, full_decode = (
+        median(r["prefill_s"] for r in full),
+        median(r["decode_s"] for r in full),
+    )
     for policy, results in measured.items():
+        if policy.startswith(LIMIT):
+            continue
         prefill = [r["prefill_s"] / full_prefill for r in results]
         decode = [r["decode_s"] / full_decode for r in results]
+        if policy == FULL:
+            limit = "-"
+        else:
+            baseline = median(r["decode_s"] for r in measured[f"{LIMIT}:{token_ratio(policy):g}"])
+            limit = f"{median(r['decode_s'] for r in results) / baseline:.2f}"
         kv = results[0]["kv_bytes"]
         print(
-            f"{context:>7} {policy:<24} {kv / 2**20:>8.1f} "
-            f"{kv / full[0]['kv_bytes']:>8.3f} "
-            f"{statistics.median(prefill):>7.2f} {spread(prefill):>5} "
-            f"{statistics.median(decode):>6.2f} {spread(decode):>5} "
-            f"{statistics.median(r['decode_s'] for r in results) * 1e3:>10.2f} "
-            f"{statistics.median(r['peak_rss_mb'] for r in results):>12.0f}",
+            f"| {context} | {policy} | {kv / 2**20:.1f} | {kv / full[0]['kv_bytes']:.3f} | "
+            f"{median(prefill):.2f} {spread(prefill)} | {median(decode):.2f} {spread(decode)} | "
+            f"**{limit}** | {median(r['decode_s'] for r in results) * 1e3:.2f} | "
+            f"{median(r['peak_rss_mb'] for r in results):.0f} |",
+            flush=True,
+        )
+    for label in sorted(p for p in measured if p.startswith(LIMIT)):
+        ms = median(r["decode_s"] for r in measured[label]) * 1e3
+        print(
+            f"|  | ({label}: a DynamicCache of the kept tokens decodes in {ms:.2f} ms) |",
             flush=True,
         )
 
@@ -140,7 +182,7 @@ def print_rows(context: int, measured: dict[str, list[dict]]) -> None:
 def run_benchmark(script: str, description: str, measure_one, policies: list[str]) -> None:
     """The command line shared by the benchmark scripts; ``measure_one`` runs in each child."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--policies", nargs="+", default=policies)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=16)
@@ -156,14 +198,16 @@ def run_benchmark(script: str, description: str, measure_one, policies: list[str
         return
 
     runs = []
+    print(f"threads: {args.threads}; medians of {args.repeats} interleaved rounds")
     print(
-        f"{'context':>7} {'policy':<24} {'KV MB':>8} {'KV/full':>8} {'prefill/full':>13} "
-        f"{'decode/full':>12} {'decode ms':>10} {'peak RSS MB':>12}"
+        "| context | policy | KV MB | KV / full | prefill / full | decode / full | "
+        "decode / limit | decode ms | peak RSS MB |"
     )
+    print("|---|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
         measured: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # interleave policies so drift hits all alike
-            for policy in [FULL, *args.policies]:
+            for policy in [FULL, *limits_of(args.policies), *args.policies]:
                 run = run_isolated(script, policy, context, args.decode_tokens, args.threads)
                 runs.append(run)
                 measured.setdefault(policy, []).append(run)

@@ -14,10 +14,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, run_benchmark, timed_run
+from bench_cache import (
+    FULL,
+    LIMIT,
+    build_model,
+    dynamic_cache_run,
+    run_benchmark,
+    set_threads,
+    timed_run,
+)
 
 POLICIES = [
     "snapkv:0.5",
@@ -45,11 +51,12 @@ def make_press(policy: str):
 def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
     from transformers import DynamicCache
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    if policy == FULL or policy.startswith(LIMIT):
+        return dynamic_cache_run(policy, context, decode_tokens, threads)
+    set_threads(threads)
     model = build_model()
     cache = DynamicCache(config=model.config)
-    press = None if policy == FULL else make_press(policy)(model)
+    press = make_press(policy)(model)
     return timed_run(model, cache, "past_key_values", policy, context, decode_tokens, press)
 
 

@@ -15,11 +15,11 @@ import time
 from contextlib import nullcontext
 
 import torch
+from bench_cache import build_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import kvpatch
-from bench_cache import build_model
 from kvpatch import compat
 
 

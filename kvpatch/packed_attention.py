@@ -19,6 +19,8 @@ softmax in fp32.
 
 from __future__ import annotations
 
+from math import inf
+
 import torch
 
 from kvpatch.cache.store import CompressedStore
@@ -95,16 +97,23 @@ def attend(
         output = _widen(weights[..., :length] @ packed_values, packed.value_channels, packed)
         output += weights[..., length:] @ tail_values
     else:
-        output = query.new_empty(batch, kv_heads, rows, packed.value_dim)
-        for segment, (start, count) in enumerate(packed.segments):
+        # one softmax over every head: each head's packed scores first, -inf up to the longest
+        length = packed.max_length
+        scores = tail_scores.new_full((batch, kv_heads, rows, length + tail_scores.shape[-1]), -inf)
+        scores[..., length:] = tail_scores
+        segments = packed.segment_views
+        for segment, (keys, _) in enumerate(segments):
             row, head = divmod(segment, kv_heads)
-            keys = packed.keys[start : start + count]
-            scores = packed_queries[row, head] @ keys.transpose(0, 1)
-            weights = _softmax(torch.cat([scores, tail_scores[row, head]], dim=-1), query.dtype)
-            kept = weights[:, :count] @ packed.values[start : start + count]
-            channels = None if packed.value_channels is None else packed.value_channels[row, head]
-            output[row, head] = _widen(kept, channels, packed)
-            output[row, head] += weights[:, count:] @ tail_values[row, head]
+            scores[row, head, :, : keys.shape[0]] = packed_queries[row, head] @ keys.T
+        weights = _softmax(scores, query.dtype)
+        output = weights[..., length:] @ tail_values
+        for segment, (keys, values) in enumerate(segments):
+            row, head = divmod(segment, kv_heads)
+            kept = weights[row, head, :, : keys.shape[0]] @ values
+            if packed.value_channels is None:
+                output[row, head] += kept
+            else:
+                output[row, head].index_add_(-1, packed.value_channels[row, head], kept)
     output = output.view(batch, kv_heads, group, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return output.transpose(1, 2).contiguous()
 

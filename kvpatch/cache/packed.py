@@ -123,6 +123,15 @@ class PackedKV:
         return list(zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True))
 
     @cached_property
+    def segment_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(keys, values)`` of each (batch row, KV head), views of the packed tensors, in
+        row-major order."""
+        return [
+            (self.keys[start : start + count], self.values[start : start + count])
+            for start, count in self.segments
+        ]
+
+    @cached_property
     def padding_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, heads, slots)`` of the padding slots of the padded layout (the slots from
         each head's length up to ``max_length``)."""
@@ -180,8 +189,11 @@ class PackedKV:
         return keys, values
 
     def max_key_norms(self) -> torch.Tensor:
-        """Largest key norm held by each head, ``[batch, kv_heads]`` (0 for an empty head)."""
+        """Largest key norm held by each head, ``[batch, kv_heads]`` (0 for an empty head, or
+        when the keys are stored elsewhere)."""
         b, h = self.lengths.shape
+        if self.keys is None:
+            return torch.zeros(b, h, device=self.lengths.device)
         norms = self.keys.float().norm(dim=-1)
         head = torch.repeat_interleave(
             torch.arange(b * h, device=norms.device), self.lengths.flatten()

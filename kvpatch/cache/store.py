@@ -48,7 +48,6 @@ class CompressedStore:
         reserve: int | None = None,
     ):
         b, h = packed.lengths.shape
-        self.key_norm_bound = packed.max_key_norms()  # [batch, kv_heads], for fake keys
         if packed.is_uniform and packed.channels is None and packed.value_channels is None:
             length = packed.max_length
             dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
@@ -61,7 +60,10 @@ class CompressedStore:
         self.values = GrowingBuffer.copy_of(tail_values, reserve)
         self.tail_start = tail_start
         self.tail_valid = tail_valid.clone()
-        self._bound_key_norms(self.keys.view())
+        # the largest key norm of each head, for fake keys: computed when first asked for, then
+        # kept up to date with the buffer's first ``_bounded`` positions
+        self._norm_bound: torch.Tensor | None = None
+        self._bounded = 0
 
     @classmethod
     def from_plan(
@@ -107,7 +109,6 @@ class CompressedStore:
         self.values.append(values)
         valid = self.tail_valid.new_ones(keys.shape[0], keys.shape[-2])
         self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
-        self._bound_key_norms(keys)
 
     def truncate_tail(self, remove: int) -> None:
         """Forget the last ``remove`` tail tokens."""
@@ -118,6 +119,7 @@ class CompressedStore:
             )
         for block in (self.keys, self.values):
             block.truncate(block.length - remove)
+        self._bounded = min(self._bounded, self.keys.length)  # the bound stays an upper bound
         self.tail_valid = self.tail_valid[:, : self.tail_length - remove]
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -125,13 +127,17 @@ class CompressedStore:
         self.keys.select_rows(rows)
         self.values.select_rows(rows)
         self.packed = self.packed.select_rows(rows)
-        self.key_norm_bound = self.key_norm_bound[rows]
+        if self._norm_bound is not None:
+            self._norm_bound = self._norm_bound[rows]
         self.tail_valid = self.tail_valid[rows]
 
     def to(self, device: torch.device | str) -> None:
         self.keys.to(device)
         self.values.to(device)
         self.packed = self.packed.to(device)
+        self.tail_valid = self.tail_valid.to(device)
+        if self._norm_bound is not None:
+            self._norm_bound = self._norm_bound.to(device)
 
     def repacked(
         self,
@@ -162,10 +168,17 @@ class CompressedStore:
         tail_keys, tail_values = keys[..., cut:, :], values[..., cut:, :]
         return CompressedStore(packed, tail_keys, tail_values, tail_start, tail_valid, reserve)
 
-    def _bound_key_norms(self, keys: torch.Tensor) -> None:
-        if keys.shape[-2]:
-            norms = keys.float().norm(dim=-1).amax(dim=-1)
-            self.key_norm_bound = torch.maximum(self.key_norm_bound, norms)
+    @property
+    def key_norm_bound(self) -> torch.Tensor:
+        """``[batch, kv_heads]``: at least the largest norm of a key each head holds."""
+        if self._norm_bound is None:
+            self._norm_bound = self.packed.max_key_norms()
+        held = self.keys.length
+        if held > self._bounded:
+            norms = self.keys.view()[:, :, self._bounded :].float().norm(dim=-1).amax(dim=-1)
+            self._norm_bound = torch.maximum(self._norm_bound, norms)
+            self._bounded = held
+        return self._norm_bound
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -230,5 +243,5 @@ class CompressedStore:
 
     def nbytes(self) -> int:
         """Bytes of every tensor held (storages, spare capacity included)."""
-        tensors = (self.keys.data, self.values.data, self.key_norm_bound, self.tail_valid)
+        tensors = (self.keys.data, self.values.data, self._norm_bound, self.tail_valid)
         return storage_nbytes(*tensors) + self.packed.nbytes()
