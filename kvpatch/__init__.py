@@ -8,7 +8,13 @@ Importing kvpatch changes nothing in transformers until ``enable``, except that 
 ``"kvpatch-text-generation"`` pipeline (:mod:`kvpatch.pipeline`).
 """
 
-from kvpatch.cache import CacheStats, CompressedDynamicCache, CompressedLayer, cache_nbytes
+from kvpatch.cache import (
+    CacheStats,
+    CompressedDynamicCache,
+    CompressedLayer,
+    Quantization,
+    cache_nbytes,
+)
 from kvpatch.chat import ChatSession
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
@@ -55,6 +61,7 @@ __all__ = [
     "Knorm",
     "Policy",
     "Pyramid",
+    "Quantization",
     "RandomScorer",
     "SharedPrefill",
     "SnapKV",

@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt-file", help="read the prompt from this file")
     generate.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     generate.add_argument("--prefill-chunk", type=int, help="prefill in chunks of this many")
+    generate.add_argument(
+        "--quantize", choices=["int8", "int4"], help="store the kept tokens as integers"
+    )
     add_model_options(generate, "ada-span-snapkv:0.5")
     chat = commands.add_parser(
         "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
@@ -85,7 +88,7 @@ def run_generate(args) -> int:
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(model.device)
     cache = kvpatch.CompressedDynamicCache(
-        config=model.config, prefill_chunk_size=args.prefill_chunk
+        config=model.config, prefill_chunk_size=args.prefill_chunk, quantize=args.quantize
     )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):

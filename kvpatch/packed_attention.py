@@ -87,10 +87,11 @@ def attend(
     if tail_visible is not None:
         tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
     packed_queries = _select_channels(grouped, packed.channels)
+    rows_keys, rows_values = packed.rows()
     if packed.is_uniform:
         shape = (batch, kv_heads, packed.max_length)  # explicit widths: a view of no elements
-        packed_keys = packed.keys.view(*shape, packed.keys.shape[-1])  # infers none
-        packed_values = packed.values.view(*shape, packed.values.shape[-1])
+        packed_keys = rows_keys.view(*shape, rows_keys.shape[-1])  # infers none
+        packed_values = rows_values.view(*shape, rows_values.shape[-1])
         packed_scores = packed_queries @ packed_keys.transpose(-1, -2)
         weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), query.dtype)
         length = packed.max_length
@@ -101,7 +102,14 @@ def attend(
         length = packed.max_length
         scores = tail_scores.new_full((batch, kv_heads, rows, length + tail_scores.shape[-1]), -inf)
         scores[..., length:] = tail_scores
-        segments = packed.segment_views
+        segments = (
+            packed.segment_views
+            if not packed.is_quantized
+            else [
+                (rows_keys[start : start + count], rows_values[start : start + count])
+                for start, count in packed.segments
+            ]
+        )
         for segment, (keys, _) in enumerate(segments):
             row, head = divmod(segment, kv_heads)
             scores[row, head, :, : keys.shape[0]] = packed_queries[row, head] @ keys.T

@@ -239,6 +239,8 @@ CASES = [
     Case("policy object", "a value selector as key channels", lambda: kvpatch.policies.Composed(channels=kvpatch.ThinKValues(), tokens=kvpatch.SnapKV()), ValueError, "does not prune keys"),
     Case("CompressedDynamicCache", "a config that is not a config", lambda: CompressedDynamicCache(config=3), TypeError, "model.config"),
     Case("CompressedDynamicCache", "prefill_chunk_size not a positive integer", lambda: CompressedDynamicCache(prefill_chunk_size=2.5), ValueError, "positive integer"),
+    Case("CompressedDynamicCache", "quantize not int8 or int4", lambda: CompressedDynamicCache(quantize="int3"), ValueError, "'int8', 'int4'"),
+    Case("Quantization", "a key group of 0 tokens", lambda: kvpatch.Quantization(8, key_group=0), ValueError, "key_group must be a positive integer"),
     Case("CompressedDynamicCache", "decode_budget not a positive integer", lambda: CompressedDynamicCache(policy="snapkv", decode_budget=0), ValueError, "positive integer"),
     Case("CompressedDynamicCache", "decode_budget below the policy's window", lambda: CompressedDynamicCache(policy="snapkv", decode_budget=10), ValueError, "larger budget"),
     Case("CompressedDynamicCache", "decode_budget with kvzip", lambda: CompressedDynamicCache(policy="kvzip", decode_budget=128), ValueError, "drop decode_budget"),

@@ -93,7 +93,9 @@ def test_bfloat16_is_as_close_as_the_padded_view(monkeypatch):
     policy, ids = "think:0.5+ada-snapkv:0.6", prompt(300)
     model = make_model("llama")
     with kvpatch.enabled(model, policy):
-        reference, tokens = greedy_logits(model, ids, CompressedDynamicCache(config=model.config), 6)
+        reference, tokens = greedy_logits(
+            model, ids, CompressedDynamicCache(config=model.config), 6
+        )
     model = model.to(torch.bfloat16)
     with kvpatch.enabled(model, policy):
         cache = CompressedDynamicCache(config=model.config)

@@ -16,6 +16,7 @@
 
 from kvpatch.cache.dynamic import CompressedDynamicCache
 from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import (
     RECENT_QUERIES,
     DecodeBudget,
@@ -45,6 +46,7 @@ __all__ = [
     "LayerStats",
     "PackedView",
     "PrefillView",
+    "Quantization",
     "ReplayChunk",
     "ReplayView",
     "View",

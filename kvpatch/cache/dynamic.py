@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, check_chunk_size, check_decode_budget
 from kvpatch.cache.stats import CacheStats, layer_stats
 from kvpatch.cache.views import PrefillView, view_of
@@ -37,6 +39,12 @@ class CompressedDynamicCache(DynamicCache):
         ``generate`` prefills a longer prompt in chunks of this many tokens, compressing every
         layer back to its budget after each (see :func:`kvpatch.prefill`), so that the KV held
         never exceeds the budget plus one chunk.
+    quantize : {None, "int8", "int4"} or Quantization
+        Store the kept tokens as 8- or 4-bit integers, KIVI-style: keys per channel (in groups of
+        128 tokens per head), values per token, scales in the model's dtype; the newest tokens
+        (a channel policy's window, else up to 32 prefill tokens every head keeps, and every
+        token appended since the last compression) stay at full precision. None: the model's
+        dtype.
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class CompressedDynamicCache(DynamicCache):
         decode_budget: int | None = None,
         decode_interval: int = 64,
         prefill_chunk_size: int | None = None,
+        quantize: str | int | Quantization | None = None,
         **kwargs,
     ):
         if config is not None and not isinstance(config, PretrainedConfig):
@@ -62,10 +71,12 @@ class CompressedDynamicCache(DynamicCache):
             check_decode_budget(self.policy, self.decode_budget)
         check_chunk_size(prefill_chunk_size, self.policy, "prefill_chunk_size")
         self.prefill_chunk_size = prefill_chunk_size
+        self.quantization = Quantization.parse(quantize)
+        new_layer = functools.partial(CompressedLayer, quantization=self.quantization)
         if self.layer_class_to_replicate is not None:
-            self.layer_class_to_replicate = CompressedLayer
+            self.layer_class_to_replicate = new_layer
         self.layers = [
-            CompressedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers
+            new_layer() if type(layer) is DynamicLayer else layer for layer in self.layers
         ]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 from kvpatch import checks, compat
 from kvpatch.cache import recompress
 from kvpatch.cache.packed import PackedKV, storage_nbytes
+from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
 from kvpatch.cache.replay_chunk import ReplayChunk
 from kvpatch.cache.store import CompressedStore
@@ -31,9 +32,10 @@ class CompressedLayer(DynamicLayer):
     show the store's full-width tail, as transformers' code expects them to exist.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, quantization: Quantization | None = None, **kwargs):
         super().__init__(**kwargs)
         compat.clear_layer(self)
+        self.quantization = quantization  # how the packed part is stored, kept across resets
         self._clear()
 
     def _clear(self) -> None:
@@ -52,9 +54,7 @@ class CompressedLayer(DynamicLayer):
 
     # -- transformers' layer API ---------------------------------------------------------------
 
-    def lazy_initialization(
-        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
-    ):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor = None):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[..., :0, :]
         self.values = (value_states if value_states is not None else key_states)[..., :0, :]
@@ -110,9 +110,6 @@ class CompressedLayer(DynamicLayer):
             self._expose_tail()
         self.seen -= remove
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             rows = torch.arange(self.keys.shape[0], device=self.keys.device)
@@ -132,6 +129,8 @@ class CompressedLayer(DynamicLayer):
         if self.recent_queries is not None:
             self.recent_queries = self.recent_queries[indices]
         self._expose_tail()
+
+    reorder_cache = batch_select_indices  # beam search's reordering
 
     def offload(self):
         self._move("cpu")
@@ -172,7 +171,7 @@ class CompressedLayer(DynamicLayer):
         plan.check(inputs)
         reserve = None if decode_budget is None else decode_budget.interval
         self.store = CompressedStore.from_plan(
-            self.keys, self.values, plan, inputs.head_valid, reserve
+            self.keys, self.values, plan, inputs.head_valid, reserve, self.quantization
         )
         self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)
         self._expose_tail()

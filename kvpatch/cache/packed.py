@@ -13,6 +13,13 @@ from functools import cached_property
 
 import torch
 
+from kvpatch.cache import record
+from kvpatch.cache.quantized import (
+    Quantization,
+    QuantizedRows,
+    quantize_per_channel,
+    quantize_per_token,
+)
 from kvpatch.policies.contract import Plan
 
 #: on CPU, up to this many (batch row, KV head) pairs, the padded layout is written with one slice
@@ -38,21 +45,19 @@ class PackedKV:
     Attributes
     ----------
     keys : ``[total_kept, kept_channels]``, or None when the layer keeps them elsewhere (uniform
-        full-width heads are stored as one dense block with the tail)
+        full-width heads are stored as one dense block with the tail); integer codes
+        (:class:`~kvpatch.cache.quantized.QuantizedRows`) in a quantized cache
     values : ``[total_kept, kept_value_channels]``, or None likewise
     lengths : long ``[batch, kv_heads]``, tokens held by each head
     channels : long ``[batch, kv_heads, kept_channels]`` or None when every key channel is kept
-    record : which logical positions the packed tokens are, in the smaller of two forms: a bool
-        ``[batch, kv_heads, length]`` mask over the compressed range (1 byte a position seen), or
-        the int32 ``[total_kept]`` position of each packed token (4 bytes a token kept). A long
-        generation with a decode budget sees far more than it keeps, and takes the second.
+    record : which logical positions the packed tokens are (:mod:`kvpatch.cache.record`)
     head_dim, value_dim : full key and value widths, to re-insert pruned channels
     value_channels : long ``[batch, kv_heads, kept_value_channels]`` or None when every value
         channel is kept
     """
 
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
+    keys: torch.Tensor | QuantizedRows | None
+    values: torch.Tensor | QuantizedRows | None
     lengths: torch.Tensor
     channels: torch.Tensor | None
     record: torch.Tensor
@@ -90,7 +95,7 @@ class PackedKV:
             values=_gather_channels(values, value_channels)[keep],
             lengths=keep.sum(-1),
             channels=channels,
-            record=_record(keep, positions, length, as_list),
+            record=record.make(keep, positions, length, as_list),
             head_dim=keys.shape[-1],
             value_dim=values.shape[-1],
             value_channels=value_channels,
@@ -106,6 +111,23 @@ class PackedKV:
         return cls.pack(
             keys, values, keep, plan.channels, positions, end, value_channels=plan.value_channels
         )
+
+    def quantized(self, quantization: Quantization) -> PackedKV:
+        """The same tokens with keys quantized per channel and values per token."""
+        bits = quantization.bits
+        keys = quantize_per_channel(self.keys, self.lengths, bits, quantization.key_group)
+        return replace(self, keys=keys, values=quantize_per_token(self.values, bits))
+
+    @property
+    def is_quantized(self) -> bool:
+        return isinstance(self.keys, QuantizedRows)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[total_kept, channels]`` in the model's dtype (decoded from their
+        integer codes, a transient copy, in a quantized cache)."""
+        if not self.is_quantized:
+            return self.keys, self.values
+        return self.keys.dequantize(self.lengths), self.values.dequantize(self.lengths)
 
     @cached_property
     def max_length(self) -> int:
@@ -165,8 +187,9 @@ class PackedKV:
     def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the padded, full-width layout into the first ``max_length`` positions of
         contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
-        self._write(self.keys, self.channels, keys)
-        self._write(self.values, self.value_channels, values)
+        packed_keys, packed_values = self.rows()
+        self._write(packed_keys, self.channels, keys)
+        self._write(packed_values, self.value_channels, values)
 
     def _write(self, flat: torch.Tensor, channels: torch.Tensor | None, target: torch.Tensor):
         """One of :meth:`write_into`'s tensors, pruned channels re-inserted as zeros."""
@@ -183,8 +206,9 @@ class PackedKV:
         """Keys and values at full width (pruned channels as zeros), padded per head with
         zeros."""
         b, h = self.lengths.shape
-        keys = self.keys.new_empty(b, h, self.max_length, self.head_dim)
-        values = self.values.new_empty(b, h, self.max_length, self.value_dim)
+        packed_keys, packed_values = self.rows()
+        keys = packed_keys.new_empty(b, h, self.max_length, self.head_dim)
+        values = packed_values.new_empty(b, h, self.max_length, self.value_dim)
         self.write_into(keys, values)
         return keys, values
 
@@ -194,7 +218,7 @@ class PackedKV:
         b, h = self.lengths.shape
         if self.keys is None:
             return torch.zeros(b, h, device=self.lengths.device)
-        norms = self.keys.float().norm(dim=-1)
+        norms = self.rows()[0].float().norm(dim=-1)
         head = torch.repeat_interleave(
             torch.arange(b * h, device=norms.device), self.lengths.flatten()
         )
@@ -212,23 +236,11 @@ class PackedKV:
 
     def _positions(self) -> torch.Tensor:
         """Long ``[total_kept]``: the logical position of each packed token, in packing order."""
-        if self.record.dtype == torch.bool:
-            return self.record.nonzero()[:, -1]  # row-major, so in packing order
-        return self.record.long()
+        return record.positions(self.record)
 
     def kept_mask(self, length: int) -> torch.Tensor:
         """Bool ``[batch, kv_heads, length]``: which logical positions each head holds here."""
-        b, h = self.lengths.shape
-        mask = torch.zeros(b * h, length, dtype=torch.bool, device=self.lengths.device)
-        if self.record.dtype == torch.bool:
-            end = min(length, self.record.shape[-1])
-            mask.view(b, h, length)[..., :end] = self.record[..., :end]
-            return mask.view(b, h, length)
-        heads = torch.repeat_interleave(
-            torch.arange(b * h, device=self.lengths.device), self.lengths.flatten()
-        )
-        mask[heads, self.record.long()] = True
-        return mask.view(b, h, length)
+        return record.kept_mask(self.record, self.lengths, length)
 
     def select_rows(self, rows: torch.Tensor) -> PackedKV:
         """The same storage for batch rows ``rows`` (reordered, repeated or a subset)."""
@@ -238,7 +250,13 @@ class PackedKV:
         counts = per_row[rows]
         offset = torch.repeat_interleave(starts[rows] - (counts.cumsum(0) - counts), counts)
         index = torch.arange(int(counts.sum()), device=rows.device) + offset
-        per_token = lambda t: None if t is None else t[index]
+        per_token = lambda t: (
+            None
+            if t is None
+            else t.select(index, rows)
+            if isinstance(t, QuantizedRows)
+            else t[index]
+        )
         per_head = lambda t: None if t is None else t[rows]
         return replace(
             self,
@@ -246,13 +264,15 @@ class PackedKV:
             values=per_token(self.values),
             lengths=self.lengths[rows],
             channels=per_head(self.channels),
-            record=self.record[rows] if self.record.dtype == torch.bool else self.record[index],
+            record=record.select(self.record, rows, index),
             value_channels=per_head(self.value_channels),
         )
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.lengths, self.channels, self.value_channels)
-        return storage_nbytes(*tensors, self.record)
+        tensors = [self.lengths, self.channels, self.value_channels, self.record]
+        for rows in (self.keys, self.values):
+            tensors += rows.tensors() if isinstance(rows, QuantizedRows) else [rows]
+        return storage_nbytes(*tensors)
 
     def to(self, device: torch.device | str) -> PackedKV:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
@@ -271,18 +291,3 @@ def _gather_channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Te
         return x
     b, h, slots, _ = x.shape
     return x.gather(-1, channels[:, :, None, :].expand(b, h, slots, channels.shape[-1]))
-
-
-def _record(
-    keep: torch.Tensor, positions: torch.Tensor, length: int, as_list: bool
-) -> torch.Tensor:
-    """The record of which positions ``keep`` holds (see :class:`PackedKV`): a list if asked,
-    else in its smaller form."""
-    b, h, _ = keep.shape
-    kept = positions[keep]
-    if as_list or 4 * kept.numel() < b * h * length:
-        return kept.to(torch.int32)
-    mask = torch.zeros(b * h, length, dtype=torch.bool, device=keep.device)
-    heads = torch.arange(b * h, device=keep.device).view(b, h, 1).expand_as(keep)[keep]
-    mask[heads, kept] = True
-    return mask.view(b, h, length)

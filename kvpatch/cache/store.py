@@ -9,12 +9,14 @@ appending a decoded token copies that token only.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
+from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.views import CompressedView, PackedView, mark
 from kvpatch.policies import Plan
 
@@ -36,6 +38,8 @@ class CompressedStore:
     tail_valid : bool ``[batch, tail]``, False for padding.
     reserve : room for this many appended tokens in the tail's buffer, which then grows by as
         many at a time (a decode budget's interval); None: spare room as the buffer grows.
+    quantization : store the packed tokens as integer codes (the tail stays full precision: the
+        residual window of the newest tokens); None: in the model's dtype.
     """
 
     def __init__(
@@ -46,9 +50,14 @@ class CompressedStore:
         tail_start: int,
         tail_valid: torch.Tensor,
         reserve: int | None = None,
+        quantization: Quantization | None = None,
     ):
         b, h = packed.lengths.shape
-        if packed.is_uniform and packed.channels is None and packed.value_channels is None:
+        self.quantization = quantization
+        if quantization is not None:
+            if not packed.is_quantized:
+                packed = packed.quantized(quantization)
+        elif packed.is_uniform and packed.channels is None and packed.value_channels is None:
             length = packed.max_length
             dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
             dense_values = packed.values.view(b, h, length, packed.values.shape[-1])
@@ -73,13 +82,17 @@ class CompressedStore:
         plan: Plan,
         valid: torch.Tensor,
         reserve: int | None = None,
+        quantization: Quantization | None = None,
     ) -> CompressedStore:
         """What ``plan`` keeps of a prefill's ``keys``/``values``; ``valid`` ``[batch, kv_heads,
         tokens]`` marks its real tokens."""
+        if quantization is not None:
+            plan = _with_residual(plan, quantization.residual)
         start = plan.full_width_from
         packed = PackedKV.from_plan(keys, values, plan)
         tail_keys, tail_values = keys[..., start:, :], values[..., start:, :]
-        return cls(packed, tail_keys, tail_values, start, valid[:, 0, start:], reserve)
+        tail_valid = valid[:, 0, start:]
+        return cls(packed, tail_keys, tail_values, start, tail_valid, reserve, quantization)
 
     # -- lengths -------------------------------------------------------------------------------
 
@@ -166,7 +179,9 @@ class CompressedStore:
         )
         tail_valid = self.tail_valid[:, self.tail_length - full_width :]
         tail_keys, tail_values = keys[..., cut:, :], values[..., cut:, :]
-        return CompressedStore(packed, tail_keys, tail_values, tail_start, tail_valid, reserve)
+        return CompressedStore(
+            packed, tail_keys, tail_values, tail_start, tail_valid, reserve, self.quantization
+        )
 
     @property
     def key_norm_bound(self) -> torch.Tensor:
@@ -245,3 +260,15 @@ class CompressedStore:
         """Bytes of every tensor held (storages, spare capacity included)."""
         tensors = (self.keys.data, self.values.data, self._norm_bound, self.tail_valid)
         return storage_nbytes(*tensors) + self.packed.nbytes()
+
+
+def _with_residual(plan: Plan, residual: int) -> Plan:
+    """``plan`` with up to ``residual`` more of its newest tokens at full width (and so at full
+    precision, in the tail): those every head keeps, when no channel is pruned."""
+    if plan.channels is not None or plan.value_channels is not None:
+        return plan  # a channel policy's full-width window is the residual
+    start = plan.full_width_from
+    kept_by_all = plan.keep[..., :start].flatten(0, 1).all(dim=0)
+    lost = (~kept_by_all).nonzero()
+    first_of_suffix = int(lost[-1]) + 1 if lost.numel() else 0
+    return dataclasses.replace(plan, full_width_from=max(first_of_suffix, start - residual))

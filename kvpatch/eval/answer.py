@@ -91,12 +91,13 @@ def answer(
     stop=None,
     tokenizer=None,
     context_cache=None,
-    chunk_size: int | None = None,
+    prefill_options: dict | None = None,
 ) -> dict:
     """Answer one sample with its own prefill; ``policy`` None is the full cache on the unpatched
     model. In ``agnostic`` mode the context goes through :func:`kvpatch.prefill` first, or is
-    ``context_cache``, a context already compressed (a copy of it is used). ``chunk_size``:
-    compressed caches are prefilled in chunks."""
+    ``context_cache``, a context already compressed (a copy of it is used).
+    ``prefill_options``: more arguments of :func:`kvpatch.prefill` for compressed caches
+    (``chunk_size``, ``quantize``)."""
     argument = compat.cache_argument(model)
     ids = sample.input_ids[None].to(model.device)
     split = sample.context_ids.shape[0] if mode == "agnostic" else ids.shape[1]
@@ -109,7 +110,7 @@ def answer(
         out = model(ids[:, :split], use_cache=True, logits_to_keep=1, **{argument: cache})
         logits = out.logits
     else:
-        options = dict(policy=policy, tokenizer=tokenizer, chunk_size=chunk_size)
+        options = dict(policy=policy, tokenizer=tokenizer, **(prefill_options or {}))
         context = kvpatch.prefill(model, ids[:, :split], **options)
         cache, logits = context.cache, (context.logits if mode == "prefill" else None)
     prefill_s = time.perf_counter() - start
@@ -163,12 +164,14 @@ def answer_shared(
 
 
 @torch.no_grad()
-def build_context(model, sample: Sample, policy: str | None, tokenizer=None, chunk_size=None):
+def build_context(
+    model, sample: Sample, policy: str | None, tokenizer=None, prefill_options: dict | None = None
+):
     """The cache of ``sample``'s context alone: compressed with ``policy`` (:func:`kvpatch.prefill`,
-    in chunks of ``chunk_size`` if given) or, for None, a full ``DynamicCache``."""
+    with ``prefill_options``) or, for None, a full ``DynamicCache``."""
     ids = sample.context_ids[None].to(model.device)
     if policy is not None:
-        options = dict(policy=policy, tokenizer=tokenizer, chunk_size=chunk_size)
+        options = dict(policy=policy, tokenizer=tokenizer, **(prefill_options or {}))
         return kvpatch.prefill(model, ids, **options).cache
     cache = DynamicCache(config=model.config)
     model(ids, use_cache=True, logits_to_keep=1, **{compat.cache_argument(model): cache})
@@ -176,31 +179,39 @@ def build_context(model, sample: Sample, policy: str | None, tokenizer=None, chu
 
 
 def build_context_cache(
-    model, sample: Sample, spec, prefill: kvpatch.SharedPrefill | None, tokenizer, chunk_size=None
+    model,
+    sample: Sample,
+    spec,
+    prefill: kvpatch.SharedPrefill | None,
+    tokenizer,
+    prefill_options: dict | None = None,
 ):
     """The (compressed) cache of ``sample``'s context, built once for every question about it,
     and the seconds it took (a reconstruction reused from another ratio included)."""
     start = time.perf_counter()
     reused = 0.0
     if sample.turns:
-        cache = build_chat(model, sample, spec, tokenizer)
+        cache = build_chat(model, sample, spec, tokenizer, prefill_options)
     elif prefill is not None:
         cache = prefill.cache(model, spec, sample.context_ids.shape[0], tokenizer)
         reused = prefill.reused_replay_s
     else:
-        cache = build_context(model, sample, spec, tokenizer, chunk_size)
+        cache = build_context(model, sample, spec, tokenizer, prefill_options)
     return cache, time.perf_counter() - start + reused
 
 
 @torch.no_grad()
-def build_chat(model, sample: Sample, policy: str | None, tokenizer=None):
+def build_chat(
+    model, sample: Sample, policy: str | None, tokenizer=None, prefill_options: dict | None = None
+):
     """The cache of a conversation's history, compressed with ``policy`` turn by turn: the first
     turn by :func:`kvpatch.prefill`, each later one by :meth:`~kvpatch.CompressedContext.extend`
     (None: a full ``DynamicCache``)."""
     if policy is None:
         return build_context(model, sample, None)
     ids = sample.context_ids[None].to(model.device)
-    context = kvpatch.prefill(model, ids[:, : sample.turns[0]], policy=policy, tokenizer=tokenizer)
+    options = dict(policy=policy, tokenizer=tokenizer, **(prefill_options or {}))
+    context = kvpatch.prefill(model, ids[:, : sample.turns[0]], **options)
     for start, end in itertools.pairwise(sample.turns):
         context = context.extend(ids[:, start:end], tokenizer=tokenizer)
     return context.cache

@@ -102,6 +102,13 @@ def parser() -> argparse.ArgumentParser:
         help="prefill compressed caches in chunks of TOKENS, each compressed back to the budget "
         "(kvpatch.prefill(chunk_size=...)); implies --separate-prefills",
     )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="store compressed caches' kept tokens as 8- or 4-bit integers "
+        "(CompressedDynamicCache(quantize=...)); implies --separate-prefills",
+    )
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p  # fmt: skip

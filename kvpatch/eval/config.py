@@ -52,6 +52,9 @@ class EvalConfig:
     #: prefill compressed caches in chunks of this many tokens (``kvpatch.prefill(chunk_size=)``);
     #: each run then has its own prefill
     prefill_chunk: int | None = None
+    #: store compressed caches as ``int8`` or ``int4`` (``CompressedDynamicCache(quantize=)``);
+    #: each run then has its own prefill. The full cache stays unquantized.
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         for task in self.tasks:
@@ -66,6 +69,9 @@ class EvalConfig:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.prefill_chunk is not None:
             self._check_prefill_chunk()
+        if self.quantize is not None:
+            kvpatch.Quantization.parse(self.quantize)
+            self.shared_prefill = False  # each cache is prefilled into quantized storage
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         for policy in self.policies:
@@ -83,6 +89,11 @@ class EvalConfig:
                     "chunks; drop it or prefill_chunk"
                 )
         self.shared_prefill = False  # a chunk attends to what earlier chunks left
+
+    def prefill_options(self) -> dict:
+        """Arguments of :func:`kvpatch.prefill` for every compressed cache."""
+        options = dict(chunk_size=self.prefill_chunk, quantize=self.quantize)
+        return {name: value for name, value in options.items() if value is not None}
 
 
 def with_ratio(policy: str, ratio: float) -> str:

@@ -88,7 +88,7 @@ class _Runner:
                     shared = prefills[0] if prefills else None
                     context_cache, context_s = build_context_cache(
                         self.model, group[0], spec, shared, self.tokenizer,
-                        self.config.prefill_chunk,
+                        self.config.prefill_options(),
                     )  # fmt: skip
                 for offset, (index, sample) in enumerate(indexed):
                     prefill = None
@@ -106,8 +106,10 @@ class _Runner:
         options = dict(stop=stop, tokenizer=self.tokenizer, context_cache=context_cache)
         if prefill is not None:
             return answer_shared(self.model, sample, prefill, spec, mode, limit, **options)
-        chunk = self.config.prefill_chunk
-        return answer(self.model, sample, spec, mode, limit, **options, chunk_size=chunk)
+        prefill_options = self.config.prefill_options()
+        return answer(
+            self.model, sample, spec, mode, limit, **options, prefill_options=prefill_options
+        )
 
     def record(self, index, sample, mode, policy, ratio, spec, result) -> None:
         text = self.codec.decode(result.pop("tokens"))
