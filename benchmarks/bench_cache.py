@@ -5,8 +5,9 @@ builds the same random Llama-style model and runs ``generate`` on the context, w
 criterion that stamps the clock after every step: decode steps are timed where they happen.
 Two baselines run in the same rounds: the full ``DynamicCache``, and the *limit* of each ratio r
 (a ``DynamicCache`` holding ``(1 - r) * n`` tokens, which no cache keeping that share of the
-tokens can beat). Configurations are interleaved round by round against the machine's drift;
-the table gives medians of ``--repeats`` rounds and ratios to the baselines.
+tokens can beat). ``POLICY@int8`` (or ``@int4``) stores the kept tokens quantized.
+Configurations are interleaved round by round against the machine's drift; the table gives
+medians of ``--repeats`` rounds and ratios to the baselines.
 
     python benchmarks/bench_cache.py --contexts 2048 4096 8192 16384 --threads 1
 """
@@ -40,7 +41,7 @@ LIMIT = "limit"
 
 def token_ratio(policy: str) -> float:
     """The share of tokens ``policy`` evicts (its token term's ratio; 0 for channels only)."""
-    terms = [t for t in policy.split("+") if not t.startswith("think")]
+    terms = [t for t in policy.partition("@")[0].split("+") if not t.startswith("think")]
     return float(terms[-1].rsplit(":", 1)[1]) if terms else 0.0
 
 
@@ -128,8 +129,9 @@ def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict
         return dynamic_cache_run(policy, context, decode_tokens, threads)
     set_threads(threads)
     model = build_model()
-    kvpatch.enable(model, policy)
-    cache = kvpatch.CompressedDynamicCache(config=model.config)
+    spec, _, quantize = policy.partition("@")  # "snapkv:0.75@int8": quantized storage
+    kvpatch.enable(model, spec)
+    cache = kvpatch.CompressedDynamicCache(config=model.config, quantize=quantize or None)
     return timed_run(model, cache, compat.cache_argument(model), policy, context, decode_tokens)
 
 

@@ -87,43 +87,46 @@ def attend(
     if tail_visible is not None:
         tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
     packed_queries = _select_channels(grouped, packed.channels)
-    rows_keys, rows_values = packed.rows()
-    if packed.is_uniform:
-        shape = (batch, kv_heads, packed.max_length)  # explicit widths: a view of no elements
-        packed_keys = rows_keys.view(*shape, rows_keys.shape[-1])  # infers none
-        packed_values = rows_values.view(*shape, rows_values.shape[-1])
-        packed_scores = packed_queries @ packed_keys.transpose(-1, -2)
-        weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), query.dtype)
-        length = packed.max_length
-        output = _widen(weights[..., :length] @ packed_values, packed.value_channels, packed)
-        output += weights[..., length:] @ tail_values
-    else:
-        # one softmax over every head: each head's packed scores first, -inf up to the longest
-        length = packed.max_length
-        scores = tail_scores.new_full((batch, kv_heads, rows, length + tail_scores.shape[-1]), -inf)
-        scores[..., length:] = tail_scores
-        segments = (
-            packed.segment_views
-            if not packed.is_quantized
-            else [
-                (rows_keys[start : start + count], rows_values[start : start + count])
-                for start, count in packed.segments
-            ]
-        )
-        for segment, (keys, _) in enumerate(segments):
-            row, head = divmod(segment, kv_heads)
-            scores[row, head, :, : keys.shape[0]] = packed_queries[row, head] @ keys.T
-        weights = _softmax(scores, query.dtype)
-        output = weights[..., length:] @ tail_values
-        for segment, (keys, values) in enumerate(segments):
-            row, head = divmod(segment, kv_heads)
-            kept = weights[row, head, :, : keys.shape[0]] @ values
-            if packed.value_channels is None:
-                output[row, head] += kept
-            else:
-                output[row, head].index_add_(-1, packed.value_channels[row, head], kept)
+    attend_packed = _attend_uniform if packed.is_uniform else _attend_segments
+    output = attend_packed(packed, packed_queries, tail_scores, tail_values, query.dtype)
     output = output.view(batch, kv_heads, group, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return output.transpose(1, 2).contiguous()
+
+
+def _attend_uniform(packed, queries, tail_scores, tail_values, dtype) -> torch.Tensor:
+    """Heads of one length: every product batched."""
+    keys, values = packed.rows()
+    b, h = packed.lengths.shape
+    length = packed.max_length
+    keys = keys.view(b, h, length, keys.shape[-1])  # explicit widths: a view of no elements
+    values = values.view(b, h, length, values.shape[-1])  # infers none
+    packed_scores = queries @ keys.transpose(-1, -2)
+    weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), dtype)
+    output = _widen(weights[..., :length] @ values, packed.value_channels, packed)
+    return output.add_(weights[..., length:] @ tail_values)
+
+
+def _attend_segments(packed, queries, tail_scores, tail_values, dtype) -> torch.Tensor:
+    """Heads of different lengths: one product per (batch row, KV head) for its packed tokens,
+    one softmax over every head (each head's packed scores first, -inf up to the longest)."""
+    b, h, rows, tail = tail_scores.shape
+    length = packed.max_length
+    scores = tail_scores.new_full((b, h, rows, length + tail), -inf)
+    scores[..., length:] = tail_scores
+    segments = packed.segment_views()
+    for segment, (keys, _) in enumerate(segments):
+        row, head = divmod(segment, h)
+        scores[row, head, :, : keys.shape[0]] = queries[row, head] @ keys.T
+    weights = _softmax(scores, dtype)
+    output = weights[..., length:] @ tail_values
+    for segment, (keys, values) in enumerate(segments):
+        row, head = divmod(segment, h)
+        kept = weights[row, head, :, : keys.shape[0]] @ values
+        if packed.value_channels is None:
+            output[row, head] += kept
+        else:
+            output[row, head].index_add_(-1, packed.value_channels[row, head], kept)
+    return output
 
 
 def _per_kv_head(visible: torch.Tensor, kv_heads: int, rows: int) -> torch.Tensor:

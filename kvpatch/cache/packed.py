@@ -144,14 +144,19 @@ class PackedKV:
         counts = self.lengths.flatten().tolist()
         return list(zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True))
 
-    @cached_property
     def segment_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(keys, values)`` of each (batch row, KV head), views of the packed tensors, in
-        row-major order."""
-        return [
-            (self.keys[start : start + count], self.values[start : start + count])
-            for start, count in self.segments
-        ]
+        """``(keys, values)`` of each (batch row, KV head) in row-major order: views of the packed
+        tensors (kept from one step to the next), or of their transient decoding if quantized."""
+        if not self.is_quantized:
+            return self._segment_views
+        return self._views_of(*self.rows())
+
+    @cached_property
+    def _segment_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._views_of(self.keys, self.values)
+
+    def _views_of(self, keys, values) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(keys[i : i + n], values[i : i + n]) for i, n in self.segments]
 
     @cached_property
     def padding_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
