@@ -23,18 +23,25 @@ class Quantization:
     Parameters
     ----------
     bits : 8 or 4
-    key_group : tokens of one head that share each key channel's scale and offset.
+    key_group : tokens of one head that share each key channel's scale and offset; by default
+        128 at 8 bits, 32 at 4 bits (KIVI's group).
     residual : newest prefill tokens kept at full precision (when every head keeps them and the
-        policy prunes no channels; a ThinK window is full precision already).
+        policy prunes no channels; a ThinK window is full precision already); by default 32 at
+        8 bits, 128 at 4 bits (KIVI's residual).
     """
 
     bits: int
-    key_group: int = 128
-    residual: int = 32
+    key_group: int | None = None
+    residual: int | None = None
 
     def __post_init__(self):
         if self.bits not in BITS:
             raise ValueError(f"quantization bits must be one of {BITS}, got {self.bits!r}")
+        coarse = self.bits == 8  # 4-bit codes need finer groups and a longer residual
+        if self.key_group is None:
+            object.__setattr__(self, "key_group", 128 if coarse else 32)
+        if self.residual is None:
+            object.__setattr__(self, "residual", 32 if coarse else 128)
         for name in ("key_group", "residual"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "key_group" else 0):
@@ -85,11 +92,15 @@ class QuantizedRows:
         head, in packing order."""
         codes = _unpack(self.codes, self.bits, self.width).to(self.scale.dtype)
         if not self.per_channel:
-            return codes.mul_(self.scale).add_(self.offset)
-        group = _group_index(lengths, self.group, self.scale.shape[2])
-        scale = self.scale.flatten(0, 2)[group]
-        offset = self.offset.flatten(0, 2)[group]
-        return codes.mul_(scale).add_(offset)
+            return torch.addcmul(self.offset, codes, self.scale)
+        # each (head, group) slot's scale repeated over its tokens: the groups of a head are
+        # full but the last, and packing order is head-major
+        first = torch.arange(self.scale.shape[2], device=lengths.device) * self.group
+        counts = (lengths[..., None] - first).clamp(0, self.group).flatten()
+        tokens = codes.shape[0]
+        scale = self.scale.flatten(0, 2).repeat_interleave(counts, dim=0, output_size=tokens)
+        offset = self.offset.flatten(0, 2).repeat_interleave(counts, dim=0, output_size=tokens)
+        return torch.addcmul(offset, codes, scale)
 
     def select(self, index: torch.Tensor, rows: torch.Tensor) -> QuantizedRows:
         """The tokens ``index`` of batch rows ``rows`` (whole heads, in order)."""
