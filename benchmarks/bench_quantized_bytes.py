@@ -21,9 +21,10 @@ POLICIES = ["snapkv:0.5", "ada-snapkv:0.5", "think:0.5+snapkv:0.5", "snapkv:0.75
 
 
 def formula_bytes(cache, bits: int, dtype_bytes: int) -> float:
-    """Codes at ``bits`` a channel, one scale and offset per key channel and group of 128 tokens
-    and per value token, the tail (residual) at full precision: from what each layer holds."""
-    total = 0.0
+    """Codes at ``bits`` a channel, one scale and offset per key channel and group of a head's
+    tokens and per value token, the tail (residual) at full precision: from what each layer
+    holds."""
+    total, group = 0.0, cache.quantization.key_group
     for layer in cache.compressed_layers:
         store, packed = layer.store, layer.packed
         tokens = int(packed.lengths.sum())
@@ -34,7 +35,7 @@ def formula_bytes(cache, bits: int, dtype_bytes: int) -> float:
             else packed.value_dim
         )
         heads = packed.lengths.numel()
-        groups = sum(math.ceil(n / 128) for n in packed.lengths.flatten().tolist())
+        groups = sum(math.ceil(n / group) for n in packed.lengths.flatten().tolist())
         total += tokens * (key_channels + value_channels) * bits / 8
         total += 2 * groups * key_channels * dtype_bytes + 2 * tokens * dtype_bytes
         total += heads * store.tail_length * (packed.head_dim + packed.value_dim) * dtype_bytes

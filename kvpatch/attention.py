@@ -6,6 +6,9 @@ description :mod:`kvpatch.cache` attaches to the keys:
 - no description (a plain cache, a sliding layer): the stock function runs unchanged;
 - :class:`~kvpatch.cache.PrefillView`: the stock function attends over the full prefill, then the
   layer is compressed with the policy;
+- :class:`~kvpatch.cache.PackedView` (a layer whose packed tokens are not stored dense): on the
+  CPU with sdpa, :mod:`kvpatch.packed_attention` reads them in place; otherwise the store lays
+  them out as a padded view, described by a ``CompressedView``;
 - :class:`~kvpatch.cache.CompressedView`: padding slots of short heads get fake keys, the logical
   attention mask is translated to the physical layout, and the stock function runs on the view.
   Where fake keys cannot be guaranteed (soft-capped logits, queries no hyperplane separates), the
