@@ -42,10 +42,13 @@ class Quantization:
             object.__setattr__(self, "key_group", 128 if coarse else 32)
         if self.residual is None:
             object.__setattr__(self, "residual", 32 if coarse else 128)
-        for name in ("key_group", "residual"):
+        for name, least, kind in (
+            ("key_group", 1, "a positive"),
+            ("residual", 0, "a non-negative"),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "key_group" else 0):
-                raise ValueError(f"quantization {name} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"quantization {name} must be {kind} integer, got {value!r}")
 
     @classmethod
     def parse(cls, spec: str | int | Quantization | None) -> Quantization | None:
