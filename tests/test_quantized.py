@@ -196,3 +196,16 @@ def test_every_policy_composes_with_int4(policy):
     assert all(layer.packed.is_quantized for layer in quantized.cache.compressed_layers)
     assert quantized.cache.nbytes() < 0.6 * plain.cache.nbytes()
     assert (logits - expected).abs().max() < 0.3
+
+
+@pytest.mark.parametrize("length", [2, 20, 130])
+def test_prompts_within_the_residual_leave_nothing_to_quantize(length):
+    """A prompt the residual covers (or nearly) quantizes no token, or a few; decoding with beams
+    still gives the unquantized cache's tokens."""
+    model = make_model("llama")
+    ids = prompt(length, batch=2)
+    with kvpatch.enabled(model, "ada-snapkv:0.5"):
+        expected, _, _ = generate(model, ids, num_beams=2, do_sample=False)
+        cache = CompressedDynamicCache(config=model.config, quantize="int4")
+        tokens, _, _ = generate(model, ids, cache=cache, num_beams=2, do_sample=False)
+    assert torch.equal(tokens, expected)

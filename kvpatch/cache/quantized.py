@@ -183,4 +183,4 @@ def _unpack(codes: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     if bits == 8:
         return codes
     both = torch.stack([codes & 15, codes >> 4], dim=-1)
-    return both.view(codes.shape[0], -1)[:, :width]
+    return both.view(codes.shape[0], 2 * codes.shape[1])[:, :width]  # no -1: may hold no rows
