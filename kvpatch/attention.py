@@ -175,7 +175,7 @@ def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torc
 def _attend_packed(module, query, attention_mask, view: PackedView, kwargs):
     view.layer.remember_queries(query)
     store = view.store
-    visible = packed_attention.tail_visibility(attention_mask, store, query)
+    visible = packed_attention.tail_visibility(attention_mask, store.tail_start, store.end, query)
     output = packed_attention.attend(store, query, visible, _scaling(module, query, kwargs))
     return output, None
 
@@ -213,16 +213,6 @@ def _attend_compressed(backend, original, module, query, key, value, attention_m
     return original(module, query, key, value, mask, **kwargs)
 
 
-def _tail_visibility(view: CompressedView, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Causal visibility of the tail columns for the current queries, ``[q_len, tail]``."""
-    tail = key.shape[-2] - view.packed_length
-    q_len = query.shape[2]
-    seen = view.tail_start + tail  # logical length, current queries included
-    query_pos = torch.arange(seen - q_len, seen, device=key.device)
-    key_pos = torch.arange(view.tail_start, seen, device=key.device)
-    return key_pos[None, :] <= query_pos[:, None]
-
-
 def physical_mask(
     logical: torch.Tensor | None,
     view: CompressedView,
@@ -239,12 +229,10 @@ def physical_mask(
     if logical is None and head_padding is None:
         return None
     batch, q_heads, q_len, _ = query.shape
-    if logical is None:
-        tail = _tail_visibility(view, query, key)[None, None]
-    else:
-        tail = logical[..., view.tail_start :]
-        if tail.dtype != torch.bool:
-            tail = tail == 0
+    end = view.tail_start + key.shape[-2] - view.packed_length  # logical length
+    tail = packed_attention.tail_visibility(logical, view.tail_start, end, query)
+    if tail is None:  # every tail token visible
+        tail = torch.ones(1, 1, q_len, end - view.tail_start, dtype=torch.bool, device=key.device)
     tail = tail.expand(batch, -1, q_len, -1)
     if head_padding is None:
         packed = tail.new_ones(batch, 1, q_len, view.packed_length)

@@ -23,6 +23,7 @@ from math import inf
 
 import torch
 
+from kvpatch.cache.packed import gather_channels
 from kvpatch.cache.store import CompressedStore
 
 #: devices whose decode steps read packed storage directly (elsewhere each small operation is a
@@ -45,17 +46,18 @@ def serves(store: CompressedStore, query: torch.Tensor, kwargs: dict) -> bool:
     if kwargs.get("dropout") or kwargs.get("output_attentions"):
         return False
     packed = store.packed
-    if packed.keys is None or query.device.type not in DEVICES:
+    if query.device.type not in DEVICES:
         return False
     return packed.is_uniform or packed.lengths.numel() <= MAX_SEGMENTS
 
 
 def tail_visibility(
-    logical: torch.Tensor | None, store: CompressedStore, query: torch.Tensor
+    logical: torch.Tensor | None, start: int, end: int, query: torch.Tensor
 ) -> torch.Tensor | None:
-    """Bool ``[batch or 1, heads or 1, q_len, tail]``: which tail tokens each query sees, from
-    the logical 4-D mask (None: all of them)."""
-    q_len, start, end = query.shape[2], store.tail_start, store.end
+    """Bool ``[batch or 1, heads or 1, q_len, end - start]``: which of the logical positions
+    ``start`` to ``end`` (the tail) each query sees, from the logical 4-D mask, or causally
+    without one; None when every query sees all of them."""
+    q_len = query.shape[2]
     if logical is not None:
         tail = logical[..., start:end]
         return tail if tail.dtype == torch.bool else tail == 0
@@ -86,7 +88,7 @@ def attend(
     tail_scores = grouped @ tail_keys.transpose(-1, -2)
     if tail_visible is not None:
         tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
-    packed_queries = _select_channels(grouped, packed.channels)
+    packed_queries = gather_channels(grouped, packed.channels)  # those the kept keys have
     attend_packed = _attend_uniform if packed.is_uniform else _attend_segments
     output = attend_packed(packed, packed_queries, tail_scores, tail_values, query.dtype)
     output = output.view(batch, kv_heads, group, q_len, -1).reshape(batch, q_heads, q_len, -1)
@@ -138,14 +140,6 @@ def _per_kv_head(visible: torch.Tensor, kv_heads: int, rows: int) -> torch.Tenso
         grouped = visible[:, :, None].expand(batch, 1, group, q_len, tail)
         return grouped.reshape(batch, 1, rows, tail)
     return visible.reshape(batch, kv_heads, rows, tail)
-
-
-def _select_channels(grouped: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
-    """The query channels that meet the kept key channels ``[batch, kv_heads, kept]``."""
-    if channels is None:
-        return grouped
-    b, h, rows, _ = grouped.shape
-    return grouped.gather(-1, channels[:, :, None, :].expand(b, h, rows, channels.shape[-1]))
 
 
 def _widen(kept: torch.Tensor, channels: torch.Tensor | None, packed) -> torch.Tensor:

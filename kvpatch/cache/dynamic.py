@@ -41,10 +41,10 @@ class CompressedDynamicCache(DynamicCache):
         never exceeds the budget plus one chunk.
     quantize : {None, "int8", "int4"} or Quantization
         Store the kept tokens as 8- or 4-bit integers, KIVI-style: keys per channel (in groups of
-        128 tokens per head), values per token, scales in the model's dtype; the newest tokens
-        (a channel policy's window, else up to 32 prefill tokens every head keeps, and every
-        token appended since the last compression) stay at full precision. None: the model's
-        dtype.
+        a head's tokens: 128 at int8, 32 at int4), values per token, scales in the model's dtype;
+        the newest tokens (a channel policy's window, else the newest prefill tokens every head
+        keeps, up to 32 at int8 and 128 at int4, and every token appended since the last
+        compression) stay at full precision. None: the model's dtype.
     """
 
     def __init__(

@@ -91,8 +91,8 @@ class PackedKV:
         record them as a list whatever its size (a bounded cache, whose record then stays the
         same size however long it decodes)."""
         return cls(
-            keys=_gather_channels(keys, channels)[keep],
-            values=_gather_channels(values, value_channels)[keep],
+            keys=gather_channels(keys, channels)[keep],
+            values=gather_channels(values, value_channels)[keep],
             lengths=keep.sum(-1),
             channels=channels,
             record=record.make(keep, positions, length, as_list),
@@ -189,10 +189,11 @@ class PackedKV:
         self._lay_out(flat, grid)
         return grid.view(b, h, self.max_length, flat.shape[-1])
 
-    def write_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows=None) -> None:
         """Write the padded, full-width layout into the first ``max_length`` positions of
-        contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``."""
-        packed_keys, packed_values = self.rows()
+        contiguous ``keys`` ``[batch, kv_heads, width, head_dim]`` and ``values``; ``rows``:
+        :meth:`rows`, if already at hand."""
+        packed_keys, packed_values = rows or self.rows()
         self._write(packed_keys, self.channels, keys)
         self._write(packed_values, self.value_channels, values)
 
@@ -211,10 +212,10 @@ class PackedKV:
         """Keys and values at full width (pruned channels as zeros), padded per head with
         zeros."""
         b, h = self.lengths.shape
-        packed_keys, packed_values = self.rows()
-        keys = packed_keys.new_empty(b, h, self.max_length, self.head_dim)
-        values = packed_values.new_empty(b, h, self.max_length, self.value_dim)
-        self.write_into(keys, values)
+        rows = self.rows()  # decoded once in a quantized cache
+        keys = rows[0].new_empty(b, h, self.max_length, self.head_dim)
+        values = rows[1].new_empty(b, h, self.max_length, self.value_dim)
+        self.write_into(keys, values, rows)
         return keys, values
 
     def max_key_norms(self) -> torch.Tensor:
@@ -255,13 +256,12 @@ class PackedKV:
         counts = per_row[rows]
         offset = torch.repeat_interleave(starts[rows] - (counts.cumsum(0) - counts), counts)
         index = torch.arange(int(counts.sum()), device=rows.device) + offset
-        per_token = lambda t: (
-            None
-            if t is None
-            else t.select(index, rows)
-            if isinstance(t, QuantizedRows)
-            else t[index]
-        )
+
+        def per_token(t):
+            if isinstance(t, QuantizedRows):
+                return t.select(index, rows)  # codes by token, per-channel scales by row
+            return None if t is None else t[index]
+
         per_head = lambda t: None if t is None else t[rows]
         return replace(
             self,
@@ -290,7 +290,7 @@ class PackedKV:
 _TENSOR_FIELDS = ("keys", "values", "lengths", "channels", "record", "value_channels")
 
 
-def _gather_channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
+def gather_channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
     """The ``channels`` ``[batch, kv_heads, kept]`` of ``x`` ``[batch, kv_heads, slots, dim]``."""
     if channels is None:
         return x

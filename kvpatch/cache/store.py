@@ -55,8 +55,7 @@ class CompressedStore:
         b, h = packed.lengths.shape
         self.quantization = quantization
         if quantization is not None:
-            if not packed.is_quantized:
-                packed = packed.quantized(quantization)
+            packed = packed.quantized(quantization)
         elif packed.is_uniform and packed.channels is None and packed.value_channels is None:
             length = packed.max_length
             dense_keys = packed.keys.view(b, h, length, packed.keys.shape[-1])
