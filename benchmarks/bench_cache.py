@@ -1,13 +1,13 @@
 """Memory and speed of compressed caches against DynamicCache, measured side by side.
 
-For each context length and policy, one fresh process (so that its peak memory is its own)
-builds the same random Llama-style model and runs ``generate`` on the context, with a stopping
-criterion that stamps the clock after every step: decode steps are timed where they happen.
-Two baselines run in the same rounds: the full ``DynamicCache``, and the *limit* of each ratio r
-(a ``DynamicCache`` holding ``(1 - r) * n`` tokens, which no cache keeping that share of the
-tokens can beat). ``POLICY@int8`` (or ``@int4``) stores the kept tokens quantized.
-Configurations are interleaved round by round against the machine's drift; the table gives
-medians of ``--repeats`` rounds and ratios to the baselines.
+For each context length, one random Llama-style model runs ``generate`` on the context once per
+configuration and round, into a fresh cache. The configurations' ``generate`` calls take turns,
+one decode step each (:func:`kvpatch.bench.take_turns`), so that the machine's drift hits them
+alike, and a stopping criterion times each step where it happens. Two baselines run in the same
+rounds: the full ``DynamicCache``, and the *limit* of each ratio r (a ``DynamicCache`` holding
+``(1 - r) * n`` tokens, which no cache keeping that share of the tokens can beat).
+``POLICY@int8`` (or ``@int4``) stores the kept tokens quantized. Each ratio is taken within a
+round; the table gives their medians over ``--repeats`` rounds, with their spread.
 
     python benchmarks/bench_cache.py --contexts 2048 4096 8192 16384 --threads 1
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import resource
 import statistics
 import subprocess
 import sys
-import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from kvpatch.bench import StepClock
+from kvpatch.bench import TurnClock, take_turns
 from kvpatch.cache import cache_nbytes
 
 POLICIES = [
@@ -37,6 +37,8 @@ POLICIES = [
 ]
 FULL = "full"
 LIMIT = "limit"
+#: one round of a configuration: ``generate`` timed by the clock; returns the KV bytes held
+Run = Callable[[TurnClock], int]
 
 
 def token_ratio(policy: str) -> float:
@@ -51,19 +53,12 @@ def limits_of(policies: list[str]) -> list[str]:
     return [f"{LIMIT}:{r:g}" for r in ratios]
 
 
-def dynamic_cache_run(label: str, context: int, decode_tokens: int, threads: int) -> dict:
-    """A baseline: the full DynamicCache, or ``limit:R`` (one holding ``(1 - R) * context``
-    tokens)."""
-    from transformers import DynamicCache
-
-    set_threads(threads)
-    model = build_model()
-    tokens = context
+def baseline_tokens(label: str, context: int) -> int:
+    """Context tokens of a baseline: all for the full cache, ``(1 - R) * context`` for
+    ``limit:R``."""
     if label.startswith(LIMIT):
-        tokens = round(context * (1 - float(label.split(":")[1])))
-    cache = DynamicCache(config=model.config)
-    result = timed_run(model, cache, "past_key_values", label, tokens, decode_tokens)
-    return {**result, "context": context}
+        return round(context * (1 - float(label.split(":")[1])))
+    return context
 
 
 def set_threads(threads: int) -> None:
@@ -90,49 +85,50 @@ def build_model(**fields):
     return tiny_model(**{**shape, **fields})
 
 
-def timed_run(
-    model,
-    cache,
-    cache_argument: str,
-    policy: str,
-    context: int,
-    decode_tokens: int,
-    around=None,
-) -> dict:
-    """``generate`` on ``context`` random tokens into ``cache`` (inside ``around``, e.g. a
-    kvpress press), decoding ``decode_tokens`` greedily; the clock stamps every step."""
-    ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
-    clock = StepClock()
-    with torch.inference_mode(), around or contextlib.nullcontext():
-        start = time.perf_counter()
+def timed_generate(
+    model, make_cache, cache_argument: str, tokens: int, decode_tokens: int, clock, around=None
+) -> int:
+    """``generate`` on ``tokens`` random tokens into ``make_cache()`` (inside ``around()``, e.g.
+    a kvpress press), decoding ``decode_tokens`` greedily, each step timed by ``clock``; returns
+    the KV bytes held at the end."""
+    ids = torch.randint(0, 4096, (1, tokens), generator=torch.Generator().manual_seed(1))
+    cache = make_cache()
+    with torch.inference_mode(), around() if around else contextlib.nullcontext():
         model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode_tokens + 1,
             min_new_tokens=decode_tokens + 1, do_sample=False, pad_token_id=0,
             stopping_criteria=[clock], **{cache_argument: cache},
         )  # fmt: skip
-    return {
-        "policy": policy,
-        "context": context,
-        "kv_bytes": cache_nbytes(cache),
-        "prefill_s": clock.stamps[0] - start,  # the prefill and its first token
-        "decode_s": clock.step_seconds(),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    return cache_nbytes(cache)
 
 
-def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
-    """One run in this process: generate on ``context`` tokens, decoding ``decode_tokens``."""
+def kvpatch_runs(labels: list[str], context: int, decode_tokens: int) -> dict[str, Run]:
+    """One model for every configuration: a stock ``DynamicCache`` for the baselines, a
+    ``CompressedDynamicCache`` carrying its own policy for the others."""
+    from transformers import DynamicCache
+
     import kvpatch
     from kvpatch import compat
 
-    if policy == FULL or policy.startswith(LIMIT):
-        return dynamic_cache_run(policy, context, decode_tokens, threads)
-    set_threads(threads)
     model = build_model()
-    spec, _, quantize = policy.partition("@")  # "snapkv:0.75@int8": quantized storage
-    kvpatch.enable(model, spec)
-    cache = kvpatch.CompressedDynamicCache(config=model.config, quantize=quantize or None)
-    return timed_run(model, cache, compat.cache_argument(model), policy, context, decode_tokens)
+    kvpatch.enable(model)  # each compressed cache carries its policy; DynamicCache stays stock
+    argument = compat.cache_argument(model)
+    runs = {}
+    for label in labels:
+        if label == FULL or label.startswith(LIMIT):
+            make_cache = partial(DynamicCache, config=model.config)
+            tokens = baseline_tokens(label, context)
+        else:
+            spec, _, quantize = label.partition("@")  # "snapkv:0.75@int8": quantized storage
+            make_cache = partial(
+                kvpatch.CompressedDynamicCache,
+                config=model.config,
+                policy=spec,
+                quantize=quantize or None,
+            )
+            tokens = context
+        runs[label] = partial(timed_generate, model, make_cache, argument, tokens, decode_tokens)
+    return runs
 
 
 def run_isolated(script: str, policy: str, context: int, decode_tokens: int, threads: int) -> dict:
@@ -147,30 +143,46 @@ def spread(values: list[float]) -> str:
     return f"±{(max(values) - min(values)) / 2 / statistics.median(values):.0%}"
 
 
+def measure_rounds(runs: dict[str, Run], context: int, repeats: int) -> dict[str, list[dict]]:
+    """``repeats`` rounds of every run, their steps interleaved: per label, one record a round."""
+    measured: dict[str, list[dict]] = {label: [] for label in runs}
+    for _ in range(repeats):
+        for label, (clock, kv_bytes) in take_turns(runs).items():
+            measured[label].append(
+                {
+                    "policy": label,
+                    "context": context,
+                    "kv_bytes": kv_bytes,
+                    "prefill_s": clock.prefill_seconds,
+                    "decode_s": clock.step_seconds(),
+                }
+            )
+    return measured
+
+
+def ratios(results: list[dict], baseline: list[dict], key: str) -> list[float]:
+    """Round by round, ``key`` of ``results`` over the baseline's in the same round."""
+    return [r[key] / b[key] for r, b in zip(results, baseline, strict=True)]
+
+
 def print_rows(context: int, measured: dict[str, list[dict]]) -> None:
     """One markdown row per policy: medians (and spreads) of the ratios to the baselines."""
     median = statistics.median
     full = measured[FULL]
-    full_prefill, full_decode = (
-        median(r["prefill_s"] for r in full),
-        median(r["decode_s"] for r in full),
-    )
     for policy, results in measured.items():
         if policy.startswith(LIMIT):
             continue
-        prefill = [r["prefill_s"] / full_prefill for r in results]
-        decode = [r["decode_s"] / full_decode for r in results]
+        prefill, decode = ratios(results, full, "prefill_s"), ratios(results, full, "decode_s")
         if policy == FULL:
             limit = "-"
         else:
-            baseline = median(r["decode_s"] for r in measured[f"{LIMIT}:{token_ratio(policy):g}"])
-            limit = f"{median(r['decode_s'] for r in results) / baseline:.2f}"
+            to_limit = ratios(results, measured[f"{LIMIT}:{token_ratio(policy):g}"], "decode_s")
+            limit = f"{median(to_limit):.2f} {spread(to_limit)}"
         kv = results[0]["kv_bytes"]
         print(
             f"| {context} | {policy} | {kv / 2**20:.1f} | {kv / full[0]['kv_bytes']:.3f} | "
             f"{median(prefill):.2f} {spread(prefill)} | {median(decode):.2f} {spread(decode)} | "
-            f"**{limit}** | {median(r['decode_s'] for r in results) * 1e3:.2f} | "
-            f"{median(r['peak_rss_mb'] for r in results):.0f} |",
+            f"**{limit}** | {median(r['decode_s'] for r in results) * 1e3:.2f} |",
             flush=True,
         )
     for label in sorted(p for p in measured if p.startswith(LIMIT)):
@@ -181,46 +193,38 @@ def print_rows(context: int, measured: dict[str, list[dict]]) -> None:
         )
 
 
-def run_benchmark(script: str, description: str, measure_one, policies: list[str]) -> None:
-    """The command line shared by the benchmark scripts; ``measure_one`` runs in each child."""
+def run_benchmark(description: str, make_runs, policies: list[str]) -> None:
+    """The command line shared by the benchmark scripts; ``make_runs(labels, context,
+    decode_tokens)`` gives the :data:`Run` of each configuration."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--policies", nargs="+", default=policies)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--json", help="also write the raw runs here")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per run (0: torch's default)"
-    )
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    if args.child:
-        policy, context, decode_tokens, threads = args.child
-        print(json.dumps(measure_one(policy, int(context), int(decode_tokens), int(threads))))
-        return
-
-    runs = []
-    print(f"threads: {args.threads}; medians of {args.repeats} interleaved rounds")
+    set_threads(args.threads)
+    labels = [FULL, *limits_of(args.policies), *args.policies]
+    records = []
+    print(f"threads: {torch.get_num_threads()}; medians of {args.repeats} rounds")
     print(
         "| context | policy | KV MB | KV / full | prefill / full | decode / full | "
-        "decode / limit | decode ms | peak RSS MB |"
+        "decode / limit | decode ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
-        measured: dict[str, list[dict]] = {}
-        for _ in range(args.repeats):  # interleave policies so drift hits all alike
-            for policy in [FULL, *limits_of(args.policies), *args.policies]:
-                run = run_isolated(script, policy, context, args.decode_tokens, args.threads)
-                runs.append(run)
-                measured.setdefault(policy, []).append(run)
+        runs = make_runs(labels, context, args.decode_tokens)
+        measured = measure_rounds(runs, context, args.repeats)
+        records += [record for results in measured.values() for record in results]
         print_rows(context, measured)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
+            json.dump(records, f, indent=1)
 
 
 def main() -> None:
-    run_benchmark(__file__, __doc__.splitlines()[0], measure, POLICIES)
+    run_benchmark(__doc__.splitlines()[0], kvpatch_runs, POLICIES)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,11 @@ environment) with bench_cache.py's:
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import (
-    FULL,
-    LIMIT,
-    build_model,
-    dynamic_cache_run,
-    run_benchmark,
-    set_threads,
-    timed_run,
-)
+from bench_cache import FULL, LIMIT, baseline_tokens, build_model, run_benchmark, timed_generate
 
 POLICIES = [
     "snapkv:0.5",
@@ -48,20 +41,26 @@ def make_press(policy: str):
     return snapkv
 
 
-def measure(policy: str, context: int, decode_tokens: int, threads: int) -> dict:
+def kvpress_runs(labels: list[str], context: int, decode_tokens: int) -> dict:
+    """A ``DynamicCache`` for every configuration; each press hooks a model of its own (the
+    same weights), entered for the duration of its ``generate``."""
     from transformers import DynamicCache
 
-    if policy == FULL or policy.startswith(LIMIT):
-        return dynamic_cache_run(policy, context, decode_tokens, threads)
-    set_threads(threads)
-    model = build_model()
-    cache = DynamicCache(config=model.config)
-    press = make_press(policy)(model)
-    return timed_run(model, cache, "past_key_values", policy, context, decode_tokens, press)
+    plain = build_model()
+    runs = {}
+    for label in labels:
+        baseline = label == FULL or label.startswith(LIMIT)
+        model = plain if baseline else build_model()
+        make_cache = partial(DynamicCache, config=model.config)
+        tokens = baseline_tokens(label, context)
+        around = None if baseline else partial(make_press(label), model)
+        run = partial(timed_generate, model, make_cache, "past_key_values", tokens, decode_tokens)
+        runs[label] = partial(run, around=around)
+    return runs
 
 
 def main() -> None:
-    run_benchmark(__file__, __doc__.splitlines()[0], measure, POLICIES)
+    run_benchmark(__doc__.splitlines()[0], kvpress_runs, POLICIES)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Step-interleaved timing (kvpatch.bench.take_turns): the runs take turns one step at a time,
+each step is timed alone, and an error in one run reaches the caller without stalling the rest."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvpatch.bench import take_turns
+
+IDS = torch.zeros(1, 1, dtype=torch.long)
+
+
+def fake_generate(name: str, steps: int, log: list[str], pause: float = 0.0):
+    """What generate does with a stopping criterion: a step, then the criterion, ``steps``
+    times."""
+
+    def run(clock):
+        for _ in range(steps):
+            log.append(name)
+            time.sleep(pause)
+            assert not clock(IDS).any()
+        return f"{name} done"
+
+    return run
+
+
+def test_runs_take_turns_one_step_each_and_finished_runs_drop_out():
+    log: list[str] = []
+    runs = {"a": fake_generate("a", 3, log), "b": fake_generate("b", 1, log)}
+    runs["c"] = fake_generate("c", 2, log)
+    results = take_turns(runs)
+    assert log == ["a", "b", "c", "a", "c", "a"]
+    assert {name: value for name, (_, value) in results.items()} == {
+        "a": "a done",
+        "b": "b done",
+        "c": "c done",
+    }
+
+
+def test_a_step_is_timed_without_the_other_runs_steps():
+    log: list[str] = []
+    runs = {
+        "fast": fake_generate("fast", 4, log, 0.01),
+        "slow": fake_generate("slow", 4, log, 0.06),
+    }
+    clocks = {name: clock for name, (clock, _) in take_turns(runs).items()}
+    fast, slow = clocks["fast"], clocks["slow"]
+    assert 0.01 <= fast.step_seconds() < 0.04  # its wall time between steps is over 0.07
+    assert min(b - a for a, b in zip(fast.ends, fast.ends[1:], strict=False)) >= 0.07
+    assert slow.step_seconds() >= 0.06
+    assert fast.prefill_seconds >= 0.01
+
+
+def test_an_error_in_one_run_is_raised_after_the_others_finish():
+    log: list[str] = []
+
+    def failing(clock):
+        clock(IDS)
+        raise RuntimeError("out of memory")
+
+    runs = {"ok": fake_generate("ok", 3, log), "bad": failing}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        take_turns(runs)
+    assert log == ["ok"] * 3
