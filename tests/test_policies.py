@@ -328,3 +328,12 @@ def test_grammar_rejects_bad_terms(spec, part):
 def test_constructors_reject_bad_ratios(cls, ratio):
     with pytest.raises(ValueError, match="ratio"):
         cls(ratio=ratio)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_mean_window_attention_in_chunks_equals_the_whole_matrix(window):
+    x = make_inputs(53, pad=PAD)
+    whole = x.window_attention(window).mean(dim=3)
+    for chunk in (7, 20, 53):
+        torch.testing.assert_close(x.mean_window_attention(window, chunk=chunk), whole)
+    assert (whole[1, ..., :PAD] == 0).all()  # padding keys get no weight in either

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: keys scored at a time by :meth:`LayerInputs.mean_window_attention` (its workspace is
+#: ``window x SCORE_CHUNK`` fp32 scores per query head, twice)
+SCORE_CHUNK = 4096
+
 
 def check_ratio(ratio: float, name: str = "ratio") -> None:
     """Reject a compression ratio outside [0, 1) with an error that says what is allowed."""
@@ -96,16 +100,46 @@ class LayerInputs:
         Returns ``[batch, kv_heads, group_size, window, tokens]`` (``window`` capped by the
         queries available); causal inside the window, padding keys get zero weight.
         """
-        t = self.num_tokens
-        window = min(window, t, self.queries.shape[2])
-        q = self.grouped_queries()[..., -window:, :].float()
-        scores = torch.einsum("bhgwd,bhtd->bhgwt", q, self.keys.float()) * self.scaling
-        query_pos = torch.arange(t - window, t, device=q.device)
-        key_pos = torch.arange(t, device=q.device)
-        visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
-        visible = visible & self.head_valid[:, :, None, None, :]
-        scores.masked_fill_(~visible, float("-inf"))  # in place: [w, t] per head, at every layer
+        queries = self._window_queries(window)
+        scores = self._window_scores(queries, 0, self.num_tokens)
         return scores.softmax(dim=-1).nan_to_num_(0.0)
+
+    def mean_window_attention(self, window: int, chunk: int = SCORE_CHUNK) -> torch.Tensor:
+        """:meth:`window_attention` averaged over its queries, ``[batch, kv_heads, group_size,
+        tokens]``, computed ``chunk`` keys at a time: the window's scores over a long context
+        (``window x tokens`` per query head, in fp32) are never held at once. Two passes over
+        the keys: each query's log-sum-exp, then its weights."""
+        t = self.num_tokens
+        if t <= chunk:
+            return self.window_attention(window).mean(dim=3)
+        queries = self._window_queries(window)
+        spans = [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
+        lse = torch.stack(
+            [self._window_scores(queries, *span).logsumexp(-1) for span in spans]
+        ).logsumexp(0)  # [b, h, g, w]
+        mean = queries.new_empty(*lse.shape[:3], t)
+        for start, end in spans:
+            weights = (self._window_scores(queries, start, end) - lse[..., None]).exp_()
+            mean[..., start:end] = weights.nan_to_num_(0.0).mean(dim=3)
+        return mean
+
+    def _window_queries(self, window: int) -> torch.Tensor:
+        """The last ``window`` queries (capped by the tokens and queries there are), fp32,
+        ``[batch, kv_heads, group_size, window, head_dim]``."""
+        window = min(window, self.num_tokens, self.queries.shape[2])
+        return self.grouped_queries()[..., -window:, :].float()
+
+    def _window_scores(self, queries: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Scaled scores of the window ``queries`` over keys ``start`` to ``end``, -inf where a
+        query does not see the key (after it, or padding)."""
+        t, window = self.num_tokens, queries.shape[3]
+        keys = self.keys[:, :, start:end].float()
+        scores = torch.einsum("bhgwd,bhtd->bhgwt", queries, keys) * self.scaling
+        query_pos = torch.arange(t - window, t, device=queries.device)
+        key_pos = torch.arange(start, end, device=queries.device)
+        visible = (key_pos[None, :] <= query_pos[:, None])[None, None, None]
+        visible = visible & self.head_valid[:, :, None, None, start:end]
+        return scores.masked_fill_(~visible, float("-inf"))  # in place: one [w, t] per head
 
 
 @dataclass

@@ -48,9 +48,10 @@ class SnapKV(TokenScorer):
         return self.window
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        attention = inputs.window_attention(self.window)  # [b, h, g, w, t]
-        b, h, g, w, t = attention.shape
-        per_query_head = attention.mean(dim=3).reshape(b, h * g, t)
+        attention = inputs.mean_window_attention(self.window)  # [b, h, g, t]
+        b, h, g, t = attention.shape
+        w = min(self.window, t, inputs.queries.shape[2])
+        per_query_head = attention.reshape(b, h * g, t)
         valid = inputs.head_valid.repeat_interleave(g, dim=1)
         scores = self._smooth(per_query_head, valid).view(b, h, g, t).mean(dim=2)
         scores[..., t - w :] = float("inf")
