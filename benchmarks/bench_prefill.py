@@ -1,4 +1,4 @@
-"""What question-agnostic scoring costs at prefill: time and peak memory against a plain prefill.
+"""What scoring costs at prefill: time and peak memory against a plain prefill, for every policy.
 
 Each run is a fresh process (so that its peak memory is its own) that builds the random
 Llama-style model of ``bench_cache.py`` and prefills a context with ``kvpatch.prefill``: for
@@ -25,10 +25,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_cache import FULL, build_model, run_isolated, spread
 
+#: one policy of every scorer, budget allocation and channel selection; KVzip's reconstruction
+#: (one more pass over the context) last
 POLICIES = [
     "snapkv:0.5",
+    "ada-snapkv:0.5",
+    "global-snapkv:0.5",
+    "pyramid-snapkv:0.5",
+    "span-snapkv:0.5",
+    "tova:0.5",
+    "knorm:0.5",
+    "streamingllm:0.5",
+    "random:0.5",
     "keydiff:0.5",
     "expected-attention:0.5",
+    "think:0.5+snapkv:0.5",
+    "think-v:0.25+snapkv:0.5",
     "kvzip:0.5",
     "ada-kvzip:0.5",
     "global-kvzip:0.5",
