@@ -337,3 +337,12 @@ def test_mean_window_attention_in_chunks_equals_the_whole_matrix(window):
     for chunk in (7, 20, 53):
         torch.testing.assert_close(x.mean_window_attention(window, chunk=chunk), whole)
     assert (whole[1, ..., :PAD] == 0).all()  # padding keys get no weight in either
+
+
+def test_snapkv_scores_the_same_in_chunks(monkeypatch):
+    from kvpatch.policies import contract
+
+    x = make_inputs(53, pad=PAD)
+    whole = SnapKV(ratio=0.5, window=16).score(x)
+    monkeypatch.setattr(contract, "SCORE_CHUNK", 8)
+    torch.testing.assert_close(SnapKV(ratio=0.5, window=16).score(x), whole)

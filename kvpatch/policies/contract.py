@@ -104,12 +104,12 @@ class LayerInputs:
         scores = self._window_scores(queries, 0, self.num_tokens)
         return scores.softmax(dim=-1).nan_to_num_(0.0)
 
-    def mean_window_attention(self, window: int, chunk: int = SCORE_CHUNK) -> torch.Tensor:
+    def mean_window_attention(self, window: int, chunk: int | None = None) -> torch.Tensor:
         """:meth:`window_attention` averaged over its queries, ``[batch, kv_heads, group_size,
-        tokens]``, computed ``chunk`` keys at a time: the window's scores over a long context
-        (``window x tokens`` per query head, in fp32) are never held at once. Two passes over
-        the keys: each query's log-sum-exp, then its weights."""
-        t = self.num_tokens
+        tokens]``, computed ``chunk`` keys (default :data:`SCORE_CHUNK`) at a time: the window's
+        scores over a long context (``window x tokens`` per query head, in fp32) are never held
+        at once. Two passes over the keys: each query's log-sum-exp, then its weights."""
+        t, chunk = self.num_tokens, chunk or SCORE_CHUNK
         if t <= chunk:
             return self.window_attention(window).mean(dim=3)
         queries = self._window_queries(window)
