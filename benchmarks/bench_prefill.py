@@ -8,6 +8,9 @@ the same run, medians of ``--repeats`` interleaved rounds with their spread. "ex
 the run's peak resident memory minus the plain prefill's.
 
     python benchmarks/bench_prefill.py --contexts 2048 8192
+
+A policy may carry settings of its token scorer after a slash, e.g.
+``kvzip:0.5/chunk_size=512,normalise=context``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ POLICIES = [
     "think:0.5+snapkv:0.5",
     "think-v:0.25+snapkv:0.5",
     "kvzip:0.5",
+    "kvzip:0.5/normalise=context",
     "ada-kvzip:0.5",
     "global-kvzip:0.5",
+    "kvzip-plus:0.5",
 ]
 
 
@@ -55,6 +60,22 @@ class ByteTokenizer:
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
         return {"input_ids": list(text.encode())}
+
+
+def parse_with_settings(spec: str):
+    """``POLICY[/NAME=VALUE,...]``: the policy, its token scorer's fields set as given."""
+    import kvpatch
+    from kvpatch.replay import replay_scorer
+
+    name, _, settings = spec.partition("/")
+    policy = kvpatch.parse_policy(name)
+    for setting in filter(None, settings.split(",")):
+        field, _, value = setting.partition("=")
+        scorer = replay_scorer(policy)
+        current = getattr(scorer, field)
+        setattr(scorer, field, type(current)(value))
+        scorer.__post_init__()
+    return policy
 
 
 def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
@@ -75,7 +96,7 @@ def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
             model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
             seconds = time.perf_counter() - start
         else:
-            kvpatch.enable(model, policy, tokenizer=ByteTokenizer())
+            kvpatch.enable(model, parse_with_settings(policy), tokenizer=ByteTokenizer())
             start = time.perf_counter()
             kvpatch.prefill(model, ids)
             seconds = time.perf_counter() - start

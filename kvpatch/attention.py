@@ -13,9 +13,9 @@ description :mod:`kvpatch.cache` attaches to the keys:
   attention mask is translated to the physical layout, and the stock function runs on the view.
   Where fake keys cannot be guaranteed (soft-capped logits, queries no hyperplane separates), the
   padding slots are masked explicitly instead.
-- :class:`~kvpatch.cache.ReplayView` (a KVzip context reconstruction): kvpatch computes the
-  attention itself, whatever the backend, since it needs the weights: it records each scored
-  token's largest weight and returns the output.
+- :class:`~kvpatch.cache.ReplayView` (a KVzip context reconstruction): the weights are needed,
+  so :mod:`kvpatch.replay_attention` computes them, whatever the backend (the stock kernel still
+  gives the output where the scores are normalised over the chunk alone).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpatch import compat, packed_attention
+from kvpatch import compat, packed_attention, replay_attention
 from kvpatch.cache import CompressedView, PackedView, PrefillView, ReplayView, view_of
 from kvpatch.fake_keys import fake_keys
 from kvpatch.policies import LayerInputs, Policy
@@ -104,7 +104,12 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
             backend, original, module, query, key, value, attention_mask, view, kwargs
         )
     if isinstance(view, ReplayView):
-        return _attend_replay(module, query, key, value, view, kwargs)
+        scaling, softcap = _scaling(module, query, kwargs), kwargs.get("softcap")
+        if view.chunk.local is None:
+            return replay_attention.attend(module, query, key, value, view, scaling, softcap)
+        output = original(module, query, key, value, attention_mask, **kwargs)
+        replay_attention.score_locally(module, query, key, value, view, scaling, softcap)
+        return output
     return original(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -127,35 +132,12 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
         scaling=_scaling(module, query, kwargs),
         layer_idx=getattr(module, "layer_idx", 0) or 0,
         rotary=_module_rotary.get(module),
+        sink_tokens=view.sink_tokens,
     )
     if policy is not None and policy.needs_all_layers:
         view.layer.defer(policy, inputs, view.decode_budget)
     else:
         view.layer.compress(policy, inputs, view.decode_budget)
-
-
-def _attend_replay(module, query, key, value, view: ReplayView, kwargs):
-    """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
-    fp32; records, per scored token and KV head, the largest weight any real query of the head's
-    group gives it. The weights are needed, so no stock kernel can do this."""
-    batch, kv_heads, total, _ = key.shape
-    q_heads, q_len = query.shape[1], query.shape[2]
-    group, held = q_heads // kv_heads, total - q_len
-    scaled = query.float() * _scaling(module, query, kwargs)
-    scaled = scaled.reshape(batch, kv_heads, group * q_len, -1)
-    shape = (batch, kv_heads, group * q_len, total)
-    scores = torch.matmul(
-        scaled, key.float().transpose(-1, -2), out=view.chunk.buffer("s", shape, key)
-    )
-    softcap = kwargs.get("softcap")
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
-    scores += view.chunk.additive_mask(view.held_valid, group)
-    weights = torch.softmax(scores, dim=-1, out=view.chunk.buffer("w", shape, key))
-    view.layer.record_replay_attention(weights[..., view.scored_from : held].amax(dim=2))
-    output = weights @ value.float()  # [b, kv_heads, group * q, dv]
-    output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
-    return output.to(query.dtype), None
 
 
 def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,15 @@ def _no_tokenizer() -> None:
     return None
 
 
+def keep_system_prefix(
+    cache: CompressedDynamicCache, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> None:
+    """Have every token policy keep the chat template's preamble (system prompt, user header)
+    that the context starts with: its first tokens are where attention sinks."""
+    found = replay.system_prefix_length(tokenizer, input_ids, attention_mask)
+    cache.sink_tokens = max(cache.sink_tokens, found)
+
+
 @torch.no_grad()
 def prefill_into(
     model: torch.nn.Module,

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch import attention, checks, compat
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
-from kvpatch.feed import prefill_into
+from kvpatch.feed import keep_system_prefix, prefill_into
 from kvpatch.policies import Policy, parse_policy
 
 _MISSING = object()
@@ -190,11 +190,24 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):
             checks.no_empty_rows(kwargs["attention_mask"])
+        _keep_system_prefix(model, cache, args, kwargs)
         policy = cache.policy if cache.policy is not None else policy_of(model)
         check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
         if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
             _prefill_for_generate(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
+
+
+def _keep_system_prefix(model, cache: CompressedDynamicCache, args, kwargs) -> None:
+    """Keep the chat template's preamble a prompt starts with, when a tokenizer was given (to
+    :func:`enable` or ``generate``): none is searched for on every call."""
+    tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if tokenizer is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    keep_system_prefix(cache, tokenizer, input_ids, mask)
 
 
 def _refuse_uncompressible(model, cache, kwargs) -> None:

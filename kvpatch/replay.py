@@ -9,7 +9,8 @@ over the prefill and then forgotten: nothing of the reconstruction stays in the 
 A chunk is ``prompt + context[s:e]``: the first chunk's prompt is ``REPEAT_PROMPT``, a later one's
 ``CONTINUE_PROMPT`` and the last ``overlap`` tokens before ``s``, each closed like a user turn of
 the tokenizer's chat template (followed by the assistant's header) or, without a template, by a
-newline.
+newline. Scored as the authors do (``normalise="chunk"``), a chunk's queries are normalised over
+the sinks, ``context[s:e]`` and the chunk itself (:class:`~kvpatch.cache.LocalColumns`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvpatch import compat
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer, ReplayChunk
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer, LocalColumns, ReplayChunk
 from kvpatch.policies import Composed, KVzip, Policy
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.policies.wraps import WrapsScorer
@@ -81,15 +82,47 @@ class RepeatPrompts:
         return self._continue, self.turn_end
 
 
+_MARKER = "\x00KVPATCH\x00"
+
+
+def _around_user_message(tokenizer, add_generation_prompt: bool) -> tuple[str, str]:
+    """What the chat template puts before and after a user message."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARKER}],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    before, _, after = text.partition(_MARKER)
+    return before, after
+
+
 def _turn_end(tokenizer) -> str:
     """What the chat template puts after a user message, up to the assistant's first token."""
     if not getattr(tokenizer, "chat_template", None):
         return "\n"
-    marker = "\x00KVPATCH\x00"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
-    )
-    return text.partition(marker)[2]
+    return _around_user_message(tokenizer, add_generation_prompt=True)[1]
+
+
+def system_prefix_length(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading real tokens every row shares with the chat template's preamble (its
+    system prompt and the user turn's header), the sinks a rendered conversation keeps; 0 without
+    a tokenizer or a template, or for a context that does not start with it."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return 0
+    try:
+        preamble = _around_user_message(tokenizer, add_generation_prompt=False)[0]
+    except Exception:  # a template that cannot render a lone user turn has no preamble to keep
+        return 0
+    ids = tokenizer(preamble, add_special_tokens=False)["input_ids"]
+    if not ids:
+        return 0
+    preamble_ids = torch.tensor(ids, dtype=torch.long, device=input_ids.device)
+    shared = []
+    for row, real in zip(input_ids, attention_mask.bool(), strict=True):
+        tokens = row[real][: preamble_ids.shape[0]]
+        same = (tokens == preamble_ids[: tokens.shape[0]]).long().cumprod(0)
+        shared.append(int(same.sum()))
+    return min(shared)
 
 
 @torch.no_grad()
@@ -112,34 +145,70 @@ def reconstruct(
     rows = [ids[real] for ids, real in zip(input_ids, mask, strict=True)]  # each row's own tokens
     lengths = mask.sum(-1, keepdim=True)  # the position of each row's first new token
     firsts = mask[:, :start].sum(-1).tolist()  # where each row's scored tokens begin
-    argument = compat.cache_argument(model)
     longest = max(len(row) - first for row, first in zip(rows, firsts, strict=True))
-    for offset in range(0, longest, scorer.chunk_size):
-        starts = [first + offset for first in firsts]
-        ids, valid = _chunk_batch(prompts, rows, starts, scorer.chunk_size, scorer.overlap)
-        positions = lengths + valid.long().cumsum(-1) - 1
-        chunk = ReplayChunk(query_valid=valid, prefill_valid=mask)
-        saved = [dict(layer.__dict__) for layer in others]  # sliding layers: restored below
-        for layer in layers:
-            layer.replay = chunk
-        try:
-            model(
-                ids,
-                attention_mask=torch.cat([attention_mask, valid.long()], dim=-1),
-                position_ids=positions.clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-                **{argument: cache},
+    local = scorer.normalise == "chunk" and start == 0  # appended turns: over what is held
+    sinks = max(scorer.n_sink, cache.sink_tokens)
+    hidden_norms: dict[int, torch.Tensor] = {}
+    hooks = _record_hidden_norms(model, hidden_norms) if scorer.weighted else []
+    try:
+        for offset in range(0, longest, scorer.chunk_size):
+            starts = [first + offset for first in firsts]
+            ids, valid = _chunk_batch(prompts, rows, starts, scorer.chunk_size, scorer.overlap)
+            positions = lengths + valid.long().cumsum(-1) - 1
+            chunk = ReplayChunk(
+                query_valid=valid,
+                prefill_valid=mask,
+                local=LocalColumns.of_chunk(mask, starts, scorer.chunk_size, sinks)
+                if local
+                else None,
+                hidden_norms=hidden_norms if scorer.weighted else None,
             )
-        finally:
-            for layer in layers:
-                layer.replay = None
-            for layer, state in zip(others, saved, strict=True):
-                layer.__dict__.clear()
-                layer.__dict__.update(state)
+            _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
     missing = [layer for layer in layers if layer.replay_attention is None]
     if missing:
         raise RuntimeError("the context reconstruction did not reach every compressed layer")
+
+
+def _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask) -> None:
+    """One reconstruction forward through ``cache``; nothing of it stays in any layer."""
+    saved = [dict(layer.__dict__) for layer in others]  # sliding layers: restored below
+    for layer in layers:
+        layer.replay = chunk
+    try:
+        model(
+            ids,
+            attention_mask=torch.cat([attention_mask, chunk.query_valid.long()], dim=-1),
+            position_ids=positions.clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+        )
+    finally:
+        for layer in layers:
+            layer.replay = None
+        for layer, state in zip(others, saved, strict=True):
+            layer.__dict__.clear()
+            layer.__dict__.update(state)
+
+
+def _record_hidden_norms(model: torch.nn.Module, norms: dict[int, torch.Tensor]) -> list:
+    """Hooks that store, per layer index, the norm of each query's hidden state ``[batch, q]``
+    as the attention module reads it (KVzip+ divides by it)."""
+
+    def hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        norms[module.layer_idx] = hidden.float().norm(dim=-1)
+
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not modules:
+        raise ValueError(
+            "kvzip-plus weighs each token by the attention's output projection (o_proj), which "
+            f"{type(model).__name__}'s attention modules do not have; use kvzip"
+        )
+    return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
 
 
 def _chunk_batch(

@@ -17,7 +17,7 @@ import kvpatch
 from kvpatch import CompressedDynamicCache, compat, parse_policy
 from kvpatch.feed import prefill_into
 from kvpatch.patching import tokenizer_of
-from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, LayerInputs
+from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
 
@@ -50,16 +50,35 @@ def encode(text: str) -> list[int]:
 # -- KVzip against an independent eager computation --------------------------------------------
 
 
-def reference_reconstruction(model, ids: torch.Tensor, chunk: int, overlap: int = 8):
+def reference_reconstruction(
+    model, ids: torch.Tensor, chunk: int, overlap: int = 8, normalise: str = "context",
+    sinks: int = 4, weighted: bool = False,
+):  # fmt: skip
     """Per layer ``[kv_heads, n]``: the largest attention weight (eager, no cache, the whole
     sequence context + prompt + chunk in one forward) any reconstruction query of a KV head's
-    group gives each context token, over every chunk."""
+    group gives each context token, over every chunk.
+
+    ``normalise="chunk"``: each query's weights renormalised over the sinks, the context tokens
+    its chunk repeats and the chunk (a softmax restricted to a subset of keys is the full softmax
+    renormalised over it); only those context tokens are scored. ``weighted`` (KVzip+): each
+    weight times ``||W_o[head] v_token||`` over ``||hidden state of the query||``, head by head."""
     n = ids.shape[1]
     config = model.config
     group = config.num_attention_heads // config.num_key_value_heads
     best = None
     implementation = compat.attention_implementation(model)
     compat.set_attention_implementation(model, "eager")
+    captured = {}
+
+    def keep_hidden(module, args, kwargs):
+        captured[("h", module.layer_idx)] = kwargs.get("hidden_states", args[0] if args else None)
+
+    def keep_values(idx):
+        return lambda module, args, out: captured.__setitem__(("v", idx), out)
+
+    attentions = [layer.self_attn for layer in model.model.layers]
+    hooks = [a.register_forward_pre_hook(keep_hidden, with_kwargs=True) for a in attentions]
+    hooks += [a.v_proj.register_forward_hook(keep_values(i)) for i, a in enumerate(attentions)]
     try:
         for start in range(0, n, chunk):
             if start == 0:
@@ -70,9 +89,19 @@ def reference_reconstruction(model, ids: torch.Tensor, chunk: int, overlap: int 
             new = torch.tensor([prompt_ids + ids[0, start : start + chunk].tolist()])
             with torch.no_grad():
                 out = model(torch.cat([ids, new], 1), output_attentions=True, use_cache=False)
+            local = torch.zeros(n + new.shape[1], dtype=torch.bool)
+            local[: min(sinks, start)] = True
+            local[start : start + chunk] = True
+            local[n:] = True
             layers = []
-            for weights in out.attentions:  # [1, q_heads, total, total]
-                rows = weights[0, :, n:, :n]  # reconstruction queries -> context keys
+            for idx, weights in enumerate(out.attentions):  # [1, q_heads, total, total]
+                rows = weights[0, :, n:, :]  # reconstruction queries -> every key
+                if normalise == "chunk":
+                    rows = rows * local / (rows * local).sum(-1, keepdim=True)
+                    rows = rows * local  # keys outside the subset score nothing
+                rows = rows[..., :n]
+                if weighted:
+                    rows = plus_weighting(model, captured, idx, rows, n)
                 per_kv = rows.reshape(config.num_key_value_heads, group * rows.shape[1], n)
                 layers.append(per_kv.amax(1))
             best = (
@@ -81,16 +110,30 @@ def reference_reconstruction(model, ids: torch.Tensor, chunk: int, overlap: int 
                 else [torch.maximum(a, b) for a, b in zip(best, layers, strict=True)]
             )
     finally:
+        for hook in hooks:
+            hook.remove()
         compat.set_attention_implementation(model, implementation)
     return best
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn):
-    model = make_model("llama", attn)
-    ids = prompt(300)
-    scorer = KVzip(ratio=0.6, chunk_size=128)
-    expected = reference_reconstruction(model, ids, chunk=128)
+def plus_weighting(model, captured, idx: int, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """KVzip+'s weighting of ``rows`` ``[q_heads, queries, n]``, one query head at a time."""
+    config = model.config
+    dim = config.head_dim
+    group = config.num_attention_heads // config.num_key_value_heads
+    hidden = captured[("h", idx)][0, n:]  # [queries, hidden]
+    values = captured[("v", idx)][0, :n].view(n, config.num_key_value_heads, dim)
+    o_proj = model.model.layers[idx].self_attn.o_proj.weight
+    out = torch.empty_like(rows)
+    for head in range(config.num_attention_heads):
+        contribution = values[:, head // group] @ o_proj[:, head * dim : (head + 1) * dim].T
+        out[head] = rows[head] * contribution.norm(dim=-1) / hidden.norm(dim=-1)[:, None]
+    return out
+
+
+def replay_attention_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
+    """Each layer's ``replay_attention`` after kvpatch's reconstruction of ``ids``, and the
+    cache (its layers still waiting for compression)."""
     with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
         cache = CompressedDynamicCache(config=model.config)
         with torch.no_grad():
@@ -99,8 +142,20 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn):
         assert len(layers) == model.config.num_hidden_layers
         mask = torch.ones_like(ids)
         reconstruct(model, cache, ids, mask, RepeatPrompts(ByteTokenizer(), ids.device), scorer)
-        for layer, reference in zip(layers, expected, strict=True):
-            torch.testing.assert_close(layer.replay_attention[0], reference, atol=1e-5, rtol=1e-4)
+        return [layer.replay_attention[0] for layer in layers], cache
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("normalise", ["chunk", "context"])
+def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise):
+    model = make_model("llama", attn)
+    ids = prompt(300)
+    scorer = KVzip(ratio=0.6, chunk_size=128, normalise=normalise)
+    expected = reference_reconstruction(model, ids, chunk=128, normalise=normalise)
+    scores, cache = replay_attention_of(model, ids, scorer)
+    for got, reference in zip(scores, expected, strict=True):
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
+    with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
         cache.compress_deferred()
     budget = 300 - math.floor(300 * 0.6)
     for idx, reference in enumerate(expected):
@@ -111,6 +166,19 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn):
             assert kept.shape[0] == budget
             expected_kept = reference[head].topk(budget).indices.sort().values
             assert torch.equal(kept, expected_kept)
+
+
+@pytest.mark.parametrize("normalise", ["chunk", "context"])
+def test_kvzip_plus_matches_a_head_by_head_reference(normalise):
+    model = make_model("llama", "sdpa")
+    ids = prompt(200)
+    scorer = KVzipPlus(ratio=0.5, chunk_size=96, normalise=normalise)
+    expected = reference_reconstruction(model, ids, chunk=96, normalise=normalise, weighted=True)
+    scores, _ = replay_attention_of(model, ids, scorer)
+    for got, reference in zip(scores, expected, strict=True):
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
+    plain, _ = replay_attention_of(model, ids, KVzip(chunk_size=96, normalise=normalise))
+    assert not torch.allclose(scores[0], plain[0])  # the weighting changes the scores
 
 
 def test_repeat_prompt_follows_the_chat_template():
@@ -338,7 +406,7 @@ def test_expected_attention_matches_reference():
     inputs = LayerInputs(
         queries, keys, values, torch.ones(1, t, dtype=torch.bool), scaling=d**-0.5, rotary=rotary
     )
-    scores = ExpectedAttention(future_positions=future, n_sink=4).score(inputs)
+    scores = ExpectedAttention(future_positions=future, n_sink=4).rule_scores(inputs)
 
     mean_rotation = sum(rotation(p, inv_freq) for p in range(t, t + future)) / future
     reference = torch.zeros(hkv, t, dtype=torch.float64)
@@ -502,10 +570,14 @@ def test_extend_compresses_each_turn_as_the_oracle_says(policy):
     # each turn kept (1 - ratio) of itself (at least the protected tokens), so the history held
     # is (1 - ratio) of all; a channel policy's full-width window is compressed with the next turn
     parsed = parse_policy(policy)
-    ratio, protected = getattr(parsed, "tokens", parsed).ratio, parsed.protected_tokens
-    budget = lambda n: max(n - math.floor(n * ratio), protected)
+    token_policy = getattr(parsed, "tokens", parsed)
+    ratio, protected = token_policy.ratio, parsed.protected_tokens
+    budget = lambda n, protected: max(n - math.floor(n * ratio), protected)
     window = turns[0] - min(e.full_width_from for e in before.values())
-    per_head = budget(turns[0]) - window + budget(window + turns[1] - turns[0])
+    # a turn keeps no sinks of its own: they lead the whole conversation
+    turn_protected = max(protected - token_policy.n_sink, window)
+    per_head = budget(turns[0], protected) - window
+    per_head += budget(window + turns[1] - turns[0], turn_protected)
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     held = sum(int(n.sum()) for n in extended.cache.physical_lengths())
     if "global-" in policy or "ada-" in policy:

@@ -151,7 +151,8 @@ def _half_precision(dtype):
             model(ids, use_cache=True, **{compat.cache_argument(model): dense})
         with kvpatch.enabled(model, "think:0.5+ada-snapkv:0.5"):
             context = kvpatch.prefill(model, ids)
-            assert context.cache.nbytes() < 0.5 * kvpatch.cache_nbytes(dense)
+            # 60 tokens of 120 and the 4 sinks, keys at half width
+            assert context.cache.nbytes() < 0.5 * 64 / 60 * kvpatch.cache_nbytes(dense)
             assert all(layer.keys.dtype == dtype for layer in context.cache.layers)
             new = context.generate(prompt(4, seed=2), max_new_tokens=3, do_sample=False)
         assert new.shape == (1, 3)

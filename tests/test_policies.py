@@ -23,6 +23,7 @@ from kvpatch.policies import (
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
 PAD = 20  # left padding of row 1 in the padded cases
+SINKS = 4  # every token policy keeps the first 4 real tokens by default
 
 
 def make_inputs(t: int, pad: int = 0, seed: int = 0) -> LayerInputs:
@@ -57,11 +58,18 @@ def per_row(x: LayerInputs, row_fn) -> torch.Tensor:
     return keep
 
 
+def with_sinks(scores: torch.Tensor, n_sink: int = SINKS) -> torch.Tensor:
+    """``scores`` ``[..., n]`` of one row's real tokens, its first ``n_sink`` always kept."""
+    scores = torch.as_tensor(scores, dtype=torch.float64).clone()
+    scores[..., :n_sink] = math.inf
+    return scores
+
+
 def knorm_row(ratio):
     def fn(q, k):
         norms = [[math.sqrt(sum(c * c for c in key.tolist())) for key in head] for head in k]
         return torch.stack(
-            [top_mask([-s for s in head], n_keep(k.shape[1], ratio)) for head in norms]
+            [top_mask(with_sinks([-s for s in head]), n_keep(k.shape[1], ratio)) for head in norms]
         )
 
     return fn
@@ -91,13 +99,13 @@ def snapkv_scores(q, k, window, scaling=D**-0.5, kernel=5):
         pooled = [attn[max(j - half, 0) : j + half + 1].mean() for j in range(n)]
         out[hq // G] += torch.stack(pooled) / G
     out[:, n - w :] = math.inf
-    return out
+    return with_sinks(out)
 
 
 def snapkv_row(ratio, window):
     def fn(q, k):
         scores = snapkv_scores(q, k, window)
-        count = max(n_keep(k.shape[1], ratio), window)
+        count = max(n_keep(k.shape[1], ratio), int(torch.isinf(scores[0]).sum()))
         return torch.stack([top_mask(head, count) for head in scores])
 
     return fn
@@ -107,7 +115,7 @@ def tova_row(ratio, scaling=D**-0.5):
     def fn(q, k):
         avg = sum(torch.softmax(k[hq // G] @ q[hq, -1] * scaling, 0) for hq in range(HQ)) / HQ
         avg[-1] = math.inf
-        return top_mask(avg, n_keep(k.shape[1], ratio)).expand(HKV, -1)
+        return top_mask(with_sinks(avg), n_keep(k.shape[1], ratio)).expand(HKV, -1)
 
     return fn
 
@@ -158,7 +166,7 @@ def ada_row(score_fn, ratio, alpha=0.2):
 
 
 def neg_norm(q, k):
-    return -k.norm(dim=-1)
+    return with_sinks(-k.norm(dim=-1))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +238,8 @@ def test_composition_fills_rest_of_budget_by_score():
     keep = (ThinK(ratio=0.5) + Knorm(ratio=0.5)).plan(x).keep
     for b in range(B):
         for h in range(HKV):
-            expected = top_mask(-x.keys[b, h, :68].norm(dim=-1), n_keep(100, 0.5) - 32)
+            scores = with_sinks(-x.keys[b, h, :68].norm(dim=-1))
+            expected = top_mask(scores, n_keep(100, 0.5) - 32)
             assert torch.equal(keep[b, h], torch.cat([expected, torch.ones(32, dtype=torch.bool)]))
 
 

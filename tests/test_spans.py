@@ -95,6 +95,8 @@ def test_plan_is_top_k_of_the_reference_scores():
     policy = SpanSnapKV(ratio=0.5, window=8, after=5, before=1)
     base = SnapKV.score(policy, inputs)
     expected_scores = reference_spread(base, inputs.head_valid, 5, 1)
+    rank = inputs.head_valid.long().cumsum(-1)
+    expected_scores[inputs.head_valid & (rank <= 4)] = math.inf  # the sinks, after spreading
     keep = policy.plan(inputs).keep
     budget = keep.sum(-1, keepdim=True)
     # every kept token scores at least as high as every evicted one
@@ -113,8 +115,9 @@ def test_spans_keep_the_rest_of_a_retrieved_number():
     target = inputs.queries[0, 0, -1] / inputs.queries[0, 0, -1].norm() * 40
     inputs.keys[0, 0, 20] = target
     inputs.queries[0, 0, -8:] = target
-    plain = SnapKV(ratio=0.8, window=4, kernel_size=1).plan(inputs).keep[0, 0]
-    spans = SpanSnapKV(ratio=0.8, window=4, kernel_size=1, after=6).plan(inputs).keep[0, 0]
+    plain = SnapKV(ratio=0.8, window=4, kernel_size=1, n_sink=0).plan(inputs).keep[0, 0]
+    spans = SpanSnapKV(ratio=0.8, window=4, kernel_size=1, after=6, n_sink=0)
+    spans = spans.plan(inputs).keep[0, 0]
     assert plain[20] and spans[20]
     assert not plain[21:27].all()
     assert spans[20:27].all()

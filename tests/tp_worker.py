@@ -32,3 +32,7 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{result['rank']}.json"), "w") as f:
     json.dump(result, f)
+# Shut the process group down before exiting: left to interpreter exit, gloo's threads can abort
+# the process ("terminate called without an active exception").
+dist.barrier()
+dist.destroy_process_group()

@@ -24,7 +24,7 @@ from kvpatch.cache.recompress import (
     token_part,
     token_policy_of,
 )
-from kvpatch.cache.replay_chunk import ReplayChunk
+from kvpatch.cache.replay_chunk import LocalColumns, ReplayChunk
 from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
 from kvpatch.cache.views import (
     CompressedView,
@@ -44,6 +44,7 @@ __all__ = [
     "CompressedView",
     "DecodeBudget",
     "LayerStats",
+    "LocalColumns",
     "PackedView",
     "PrefillView",
     "Quantization",

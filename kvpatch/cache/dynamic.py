@@ -45,6 +45,9 @@ class CompressedDynamicCache(DynamicCache):
         the newest tokens (a channel policy's window, else the newest prefill tokens every head
         keeps, up to 32 at int8 and 128 at int4, and every token appended since the last
         compression) stay at full precision. None: the model's dtype.
+    sink_tokens : int, default 0
+        Leading real tokens of each row every token policy keeps, on top of its own ``n_sink``:
+        a chat template's system prefix (:func:`kvpatch.prefill` and the pipeline set it).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class CompressedDynamicCache(DynamicCache):
         decode_interval: int = 64,
         prefill_chunk_size: int | None = None,
         quantize: str | int | Quantization | None = None,
+        sink_tokens: int = 0,
         **kwargs,
     ):
         if config is not None and not isinstance(config, PretrainedConfig):
@@ -71,6 +75,9 @@ class CompressedDynamicCache(DynamicCache):
             check_decode_budget(self.policy, self.decode_budget)
         check_chunk_size(prefill_chunk_size, self.policy, "prefill_chunk_size")
         self.prefill_chunk_size = prefill_chunk_size
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+        self.sink_tokens = sink_tokens
         self.quantization = Quantization.parse(quantize)
         new_layer = functools.partial(CompressedLayer, quantization=self.quantization)
         if self.layer_class_to_replicate is not None:
@@ -88,6 +95,7 @@ class CompressedDynamicCache(DynamicCache):
         view = view_of(keys)
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget
+            view.sink_tokens = self.sink_tokens
         return keys, values
 
     @property

@@ -61,6 +61,8 @@ class LayerSetup:
     #: long ``[batch]``, left padding of each row (positions count real tokens only)
     position_offset: torch.Tensor
     decode_budget: DecodeBudget | None = None
+    #: leading real tokens the context asked to keep (``LayerInputs.sink_tokens``)
+    sink_tokens: int = 0
 
     @classmethod
     def from_inputs(
@@ -68,7 +70,15 @@ class LayerSetup:
     ) -> LayerSetup:
         """The setup of a layer whose prefill was ``inputs``."""
         offset = (~inputs.head_valid[:, 0]).sum(-1)
-        return cls(policy, inputs.scaling, inputs.layer_idx, inputs.rotary, offset, decode_budget)
+        return cls(
+            policy,
+            inputs.scaling,
+            inputs.layer_idx,
+            inputs.rotary,
+            offset,
+            decode_budget,
+            inputs.sink_tokens,
+        )
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.position_offset = self.position_offset[rows]
@@ -86,6 +96,7 @@ class LayerSetup:
             layer_idx=self.layer_idx,
             rotary=self.rotary,
             query_positions=self.positions_of_last(end, queries.shape[2]),
+            sink_tokens=self.sink_tokens,
             **fields,
         )
 
@@ -226,7 +237,7 @@ def segment_inputs(
     keys, values = store.tail()
     return setup.inputs(
         queries, store.end, keys=keys, values=values, valid=store.tail_valid,
-        replay_attention=replay_attention,
+        replay_attention=replay_attention, at_start=False,
     )  # fmt: skip
 
 

@@ -18,14 +18,58 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LocalColumns:
+    """The held columns a chunk's softmax runs over when scored as KVzip's authors do: per row,
+    the sinks and the context tokens the chunk reconstructs. ``index`` ``[batch, columns]`` are
+    positions in the held prefill, ``valid`` marks the real ones (rows differ in length)."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of_chunk(
+        cls, prefill_valid: torch.Tensor, starts: list[int], size: int, sinks: int
+    ) -> LocalColumns:
+        """Columns for a chunk reconstructing each row's real tokens ``[start, start + size)``
+        (counted from its first real token) of a left-padded prefill, after its first ``sinks``
+        real tokens (those before ``start``: a first chunk holds its sinks itself)."""
+        width, device = prefill_valid.shape[1], prefill_valid.device
+        lengths = prefill_valid.sum(-1).tolist()
+        rows = []
+        for length, start in zip(lengths, starts, strict=True):
+            pad = width - length
+            sink_part = range(pad, pad + min(sinks, start))
+            chunk_part = range(pad + start, pad + min(start + size, length))
+            rows.append([*sink_part, *chunk_part])
+        columns = max(1, max(len(row) for row in rows))
+        index = torch.zeros(len(rows), columns, dtype=torch.long, device=device)
+        valid = torch.zeros(len(rows), columns, dtype=torch.bool, device=device)
+        for b, row in enumerate(rows):
+            index[b, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
+            valid[b, : len(row)] = True
+        return cls(index, valid)
+
+
+@dataclass
 class ReplayChunk:
     """``query_valid`` ``[batch, chunk]`` marks the chunk's real tokens; ``prefill_valid``
-    ``[batch, prefill]`` the real tokens of a prefill that waits for its scores."""
+    ``[batch, prefill]`` the real tokens of a prefill that waits for its scores. ``local``: the
+    columns of the authors' softmax, or None to normalise over everything held.
+    ``hidden_norms``: per layer index, ``[batch, chunk]`` norms of the hidden states the
+    attention reads (KVzip+), filled by hooks during the forward; None for plain KVzip."""
 
     query_valid: torch.Tensor
     prefill_valid: torch.Tensor
+    local: LocalColumns | None = None
+    hidden_norms: dict[int, torch.Tensor] | None = None
     _masks: dict = dataclasses.field(default_factory=dict, repr=False)
     _buffers: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def chunk_visible(self) -> torch.Tensor:
+        """``[batch, chunk, chunk]``: which chunk tokens each chunk query sees (causal over the
+        real ones; a padding query sees only itself, so that its softmax is defined)."""
+        return _chunk_visibility(self.query_valid)
 
     @functools.cached_property
     def prefill_held_valid(self) -> torch.Tensor:
@@ -70,15 +114,20 @@ class ReplayChunk:
         return self._masks[key][1]
 
 
-def _replay_mask(held_valid: torch.Tensor, query_valid: torch.Tensor, group: int) -> torch.Tensor:
+def _chunk_visibility(query_valid: torch.Tensor) -> torch.Tensor:
     q_len = query_valid.shape[1]
     device = query_valid.device
     real = query_valid[:, :, None]  # [b, q, 1]
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
     own = torch.eye(q_len, dtype=torch.bool, device=device)
-    chunk = torch.where(real, causal & query_valid[:, None, :], own)  # [b, q, q]
+    return torch.where(real, causal & query_valid[:, None, :], own)  # [b, q, q]
+
+
+def _replay_mask(held_valid: torch.Tensor, query_valid: torch.Tensor, group: int) -> torch.Tensor:
+    real = query_valid[:, :, None]  # [b, q, 1]
+    chunk = _chunk_visibility(query_valid)  # [b, q, q]
     held = held_valid[:, :, None, :] & real[:, None]  # [b, h, q, held]
     visible = torch.cat([held, chunk[:, None].expand(-1, held.shape[1], -1, -1)], dim=-1)
     visible = visible.repeat(1, 1, group, 1)
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=query_valid.device)
     return mask.masked_fill_(~visible, float("-inf"))

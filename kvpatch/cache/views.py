@@ -28,12 +28,14 @@ _VIEW_ATTRIBUTE = "_kvpatch_view"
 class PrefillView:
     """Marks the keys of a layer's first forward: compress after attending.
 
-    ``policy`` is the cache's own policy, which overrides the model's.
+    ``policy`` is the cache's own policy, which overrides the model's; ``sink_tokens`` the
+    cache's leading tokens to keep.
     """
 
     layer: CompressedLayer
     policy: Policy | None = None
     decode_budget: DecodeBudget | None = None
+    sink_tokens: int = 0
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvpatch.policies.contract import LayerInputs, Plan, check_ratio
 from kvpatch.policies.expected_attention import ExpectedAttention
 from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm
-from kvpatch.policies.kvzip import KVzip
+from kvpatch.policies.kvzip import KVzip, KVzipPlus
 from kvpatch.policies.layer_budgets import GlobalBudgets
 from kvpatch.policies.pyramid import Pyramid
 from kvpatch.policies.random import RandomScorer
@@ -43,6 +43,7 @@ TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
         SpanSnapKV,
         SpanTOVA,
         KVzip,
+        KVzipPlus,
         ExpectedAttention,
         KeyDiff,
     )
@@ -135,6 +136,7 @@ __all__ = [
     "ExpectedAttention",
     "GlobalBudgets",
     "KVzip",
+    "KVzipPlus",
     "KeyDiff",
     "Knorm",
     "LayerInputs",

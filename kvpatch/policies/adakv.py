@@ -13,7 +13,6 @@ from kvpatch.policies.contract import (
     Plan,
     budget_per_head,
     row_budget,
-    scores_with_rules,
     select_top,
 )
 from kvpatch.policies.wraps import WrapsScorer
@@ -48,7 +47,7 @@ class AdaKV(WrapsScorer, Policy):
         return f"ada-{self.scorer.name}"
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
-        scores = scores_with_rules(self.scorer.score(inputs), inputs, must_keep)
+        scores = self.scorer.rule_scores(inputs, must_keep)
         b, h, t = scores.shape
         per_head = budget_per_head(scores, inputs, self.ratio)  # [b, h]
         safeguard = torch.floor(per_head.float() * self.alpha).long()

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from kvpatch.policies.contract import (
+    DEFAULT_SINKS,
     LayerInputs,
     Plan,
     budget_per_head,
@@ -85,19 +86,33 @@ class Policy(ABC):
 class TokenScorer(Policy):
     """A policy that scores tokens; every KV head of a batch row keeps the same number of them.
 
-    Subclasses are dataclasses with a ``ratio`` field and implement :meth:`score`. A score of
-    ``+inf`` marks a token that is always kept (a window, sink tokens).
+    Subclasses are dataclasses with ``ratio`` and ``n_sink`` fields and implement :meth:`score`.
+    A score of ``+inf`` marks a token that is always kept (a window). The first ``n_sink`` real
+    tokens of each row (the attention sinks) are always kept too, whatever :meth:`score` says.
     """
 
     #: short name used in policy strings
     name: str = ""
+    #: leading real tokens always kept (attention sinks); 0 keeps none
+    n_sink: int = DEFAULT_SINKS
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.n_sink
 
     @abstractmethod
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Return ``[batch, kv_heads, tokens]`` scores; higher is kept first."""
 
+    def rule_scores(
+        self, inputs: LayerInputs, must_keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`score` with the rules every token policy shares: padding never kept, sinks and
+        ``must_keep`` always kept."""
+        return scores_with_rules(self.score(inputs), inputs, must_keep, self.n_sink)
+
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
-        scores = scores_with_rules(self.score(inputs), inputs, must_keep)
+        scores = self.rule_scores(inputs, must_keep)
         keep = select_top(scores, budget_per_head(scores, inputs, self.ratio))
         return Plan(keep=keep, channels=None, full_width_from=inputs.num_tokens)
 
@@ -198,8 +213,12 @@ class Composed(Policy):
 
     @property
     def protected_tokens(self) -> int:
-        tokens = self.tokens.protected_tokens if self.tokens is not None else 0
-        return max(self.full_width_tokens, tokens)
+        """The full-width window and the token policy's sinks (which lie before it), or the
+        token policy's own protected tokens where they are more."""
+        if self.tokens is None:
+            return self.full_width_tokens
+        sinks = getattr(self.tokens, "n_sink", 0)
+        return max(self.full_width_tokens, self.tokens.protected_tokens - sinks) + sinks
 
     @property
     def name(self) -> str:

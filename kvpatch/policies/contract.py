@@ -19,6 +19,19 @@ import torch
 SCORE_CHUNK = 4096
 
 
+#: leading real tokens every token policy keeps unless told otherwise (the attention sinks)
+DEFAULT_SINKS = 4
+
+
+def check_sinks(owner: str, n_sink: int) -> None:
+    """Reject a sink count that is not a non-negative integer."""
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise ValueError(
+            f"{owner} needs an integer n_sink >= 0 (leading tokens always kept; 0 keeps none), "
+            f"got {n_sink!r}"
+        )
+
+
 def check_ratio(ratio: float, name: str = "ratio") -> None:
     """Reject a compression ratio outside [0, 1) with an error that says what is allowed."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio):
@@ -52,6 +65,10 @@ class LayerInputs:
     replay_attention : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token got
         from the queries of a context reconstruction (:mod:`kvpatch.replay`), when the policy
         asked for one.
+    sink_tokens : leading real tokens the context itself asks to keep (a chat template's system
+        prefix), on top of the policy's own ``n_sink``.
+    at_start : whether the tokens begin the sequence, so that its leading ones are the sinks
+        (False for a segment appended later, e.g. a chat turn).
     """
 
     queries: torch.Tensor
@@ -64,6 +81,8 @@ class LayerInputs:
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     query_positions: torch.Tensor | None = None
     replay_attention: torch.Tensor | None = None
+    sink_tokens: int = 0
+    at_start: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -212,10 +231,17 @@ def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def scores_with_rules(
-    scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None
+    scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None, n_sink: int = 0
 ) -> torch.Tensor:
-    """Apply the rules every token policy shares: padding is never kept, ``must_keep`` always is."""
+    """Apply the rules every token policy shares: padding is never kept, ``must_keep`` always is,
+    and so are the sinks: the first ``max(n_sink, inputs.sink_tokens)`` real tokens of each head
+    when ``inputs`` begins the sequence."""
     scores = scores.float()
+    sinks = max(n_sink, inputs.sink_tokens) if inputs.at_start else 0
+    if sinks:
+        valid = inputs.head_valid
+        leading = valid & (valid.long().cumsum(-1) <= sinks)
+        scores = scores.masked_fill(leading, float("inf"))
     if must_keep is not None:
         scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
     return scores.masked_fill(~inputs.head_valid, float("-inf"))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -35,26 +35,28 @@ class ExpectedAttention(TokenScorer):
         Include the covariance term (False: the mean query only).
     use_value_norm : bool, default True
         Multiply by the value norm.
+    epsilon : float, default 0.0
+        Added to the attention before the value norm multiplies it, so that value norms rank
+        tokens the expected attention barely tells apart (kvpress runs head-wise budgets with
+        1e-2).
     """
 
     ratio: float = 0.5
     future_positions: int = 512
-    n_sink: int = 4
+    n_sink: int = DEFAULT_SINKS
     use_covariance: bool = True
     use_value_norm: bool = True
+    epsilon: float = 0.0
     name = "expected-attention"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
-        if self.future_positions < 1 or self.n_sink < 0:
+        check_sinks("ExpectedAttention", self.n_sink)
+        if self.future_positions < 1 or not self.epsilon >= 0:
             raise ValueError(
-                "ExpectedAttention needs future_positions >= 1 and n_sink >= 0, got "
-                f"future_positions={self.future_positions}, n_sink={self.n_sink}"
+                "ExpectedAttention needs future_positions >= 1 and epsilon >= 0, got "
+                f"future_positions={self.future_positions}, epsilon={self.epsilon}"
             )
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.n_sink
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         b, h, t, d = inputs.keys.shape
@@ -75,9 +77,8 @@ class ExpectedAttention(TokenScorer):
         attention = logits.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
         scores = attention.view(b, h, inputs.group_size, t).mean(2)
         if self.use_value_norm:
-            scores = scores * inputs.values.float().norm(dim=-1)
-        rank = inputs.head_valid.long().cumsum(-1) - 1
-        return scores.masked_fill(inputs.head_valid & (rank < self.n_sink), float("inf"))
+            scores = (scores + self.epsilon) * inputs.values.float().norm(dim=-1)
+        return scores  # the sinks are kept by the rule every token policy shares
 
     def _query_sample(self, inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-RoPE queries of the real tokens after the sinks, and their 0/1 weights."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -17,19 +17,23 @@ class KeyDiff(TokenScorer):
     L2-normalised keys: distinctive keys are kept, keys that look like the average are evicted.
 
     Needs no query at all, so it is question-agnostic by construction and costs one pass over
-    the keys. Only real tokens enter the anchor; no window and no sink is protected.
+    the keys. Only real tokens enter the anchor; no window is protected.
 
     Parameters
     ----------
     ratio : float, default 0.5
         Fraction of the tokens removed.
+    n_sink : int, default 4
+        Leading real tokens always kept (the attention sinks); 0 keeps none, as the paper does.
     """
 
     ratio: float = 0.5
+    n_sink: int = DEFAULT_SINKS
     name = "keydiff"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
+        check_sinks("KeyDiff", self.n_sink)
 
     @property
     def query_window(self) -> int:

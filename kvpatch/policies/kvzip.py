@@ -1,4 +1,5 @@
-"""KVzip: keep what the model needs to reconstruct its context (https://arxiv.org/abs/2505.23416)."""
+"""KVzip: keep what the model needs to reconstruct its context (https://arxiv.org/abs/2505.23416),
+and KVzip+, its scores weighted by each token's effect on the layer's output."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 #: how KVzip asks the model to reconstruct the context: the first chunk, then the later ones,
 #: which are followed by the last tokens of the chunk before them
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+#: how a reconstruction query's attention is normalised (see :class:`KVzip`)
+NORMALISATIONS = ("chunk", "context")
 
 
 @dataclass
@@ -21,14 +25,21 @@ class KVzip(TokenScorer):
 
     After the context's prefill, :mod:`kvpatch.replay` feeds the model a repeat request and the
     context again, teacher-forced, through the uncompressed cache, ``chunk_size`` context tokens
-    at a time. A (KV head, token) pair scores the largest softmax weight any reconstruction query
-    of its GQA group gives it. Tokens a model needs to reproduce its context are the tokens any
-    later question can need, so the scores do not depend on the question. The first ``n_sink``
-    real tokens are always kept.
+    at a time. A (KV head, token) pair scores the largest attention weight any reconstruction
+    query of its GQA group gives it. Tokens a model needs to reproduce its context are the tokens
+    any later question can need, so the scores do not depend on the question.
 
-    The replay costs about one more prefill; no attention matrix larger than
-    ``chunk_size + prompt`` queries by the context is ever held. The scores exist only for a
-    prefill, so KVzip cannot compress while decoding.
+    With ``normalise="chunk"`` (the authors' scoring), a query's weights are a softmax over the
+    sinks, the context tokens its chunk reconstructs and the reconstruction tokens before it, so
+    each token is scored by the chunk that repeats it, and scoring costs ``chunk x 2 chunks`` per
+    chunk, linear in the context; the layer's output still attends over everything. With
+    ``"context"`` the softmax runs over the whole context (every chunk scores every token), a
+    cost quadratic in the context. The sinks are the first ``n_sink`` real tokens, or the chat
+    template's system prefix when the context starts with it, whichever is longer; they are always
+    kept. Turns appended later (:meth:`~kvpatch.CompressedContext.extend`) are scored with the
+    whole-context softmax over what is held.
+
+    The scores exist only for a prefill, so KVzip cannot compress while decoding.
 
     Parameters
     ----------
@@ -37,28 +48,35 @@ class KVzip(TokenScorer):
     chunk_size : int, default 512
         Context tokens reconstructed per forward pass.
     n_sink : int, default 4
-        Leading real tokens always kept.
+        Leading real tokens always kept (at least; see above).
     overlap : int, default 8
         A chunk after the first is introduced by the last ``overlap`` tokens of the one before.
+    normalise : {"chunk", "context"}, default "chunk"
+        Which keys a reconstruction query's softmax runs over (see above).
     """
 
     ratio: float = 0.5
     chunk_size: int = 512
-    n_sink: int = 4
+    n_sink: int = DEFAULT_SINKS
     overlap: int = 8
+    normalise: str = "chunk"
     name = "kvzip"
+    #: weight each score by the token's output norm over the query's hidden-state norm (KVzip+)
+    weighted = False
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
-        if self.chunk_size < 1 or self.n_sink < 0 or self.overlap < 0:
+        check_sinks(type(self).__name__, self.n_sink)
+        if self.chunk_size < 1 or self.overlap < 0:
             raise ValueError(
-                "KVzip needs chunk_size >= 1, n_sink >= 0 and overlap >= 0, got "
-                f"chunk_size={self.chunk_size}, n_sink={self.n_sink}, overlap={self.overlap}"
+                f"{type(self).__name__} needs chunk_size >= 1 and overlap >= 0, got "
+                f"chunk_size={self.chunk_size}, overlap={self.overlap}"
             )
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.n_sink
+        if self.normalise not in NORMALISATIONS:
+            raise ValueError(
+                f"{type(self).__name__} normalise must be one of {NORMALISATIONS}, got "
+                f"{self.normalise!r}"
+            )
 
     @property
     def needs_replay(self) -> bool:
@@ -67,10 +85,24 @@ class KVzip(TokenScorer):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         if inputs.replay_attention is None:
             raise ValueError(
-                "kvzip scores tokens from a reconstruction of the whole context, which only a "
-                "prefill can provide (kvpatch.prefill, or generate on an enabled model); it "
-                "cannot be used to compress while decoding (decode_budget)"
+                f"{self.name} scores tokens from a reconstruction of the whole context, which "
+                "only a prefill can provide (kvpatch.prefill, or generate on an enabled model); "
+                "it cannot be used to compress while decoding (decode_budget)"
             )
-        scores = inputs.replay_attention.float().clone()
-        rank = inputs.head_valid.long().cumsum(-1) - 1
-        return scores.masked_fill(inputs.head_valid & (rank < self.n_sink), float("inf"))
+        return inputs.replay_attention.float().clone()
+
+
+@dataclass
+class KVzipPlus(KVzip):
+    """KVzip whose attention weights are scaled by what each token adds to the layer's output.
+
+    A weight ``a[g, t, i]`` of query head ``g`` of the group, reconstruction query ``t`` and token
+    ``i`` becomes ``a[g, t, i] * ||W_o[g] v_i|| / ||h_t||``: ``W_o[g]`` is the slice of the output
+    projection that head ``g`` writes through, ``v_i`` the token's value, ``h_t`` the hidden state
+    the attention reads (after the input norm). The group's query heads each weigh with their own
+    slice, and the score is the largest weighted value over the group and the queries, as in
+    KVzip. The parameters are :class:`KVzip`'s. kvpress calls this normalisation KVzip+.
+    """
+
+    name = "kvzip-plus"
+    weighted = True

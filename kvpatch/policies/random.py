@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -18,16 +18,20 @@ class RandomScorer(TokenScorer):
     ----------
     ratio : float, default 0.5
         Fraction of the tokens removed.
+    n_sink : int, default 4
+        Leading real tokens always kept (the attention sinks); 0 keeps none.
     seed : int, default 0
         Seed of the generator; each layer draws from ``seed + layer_idx``.
     """
 
     ratio: float = 0.5
+    n_sink: int = DEFAULT_SINKS
     seed: int = 0
     name = "random"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
+        check_sinks("RandomScorer", self.n_sink)
 
     @property
     def query_window(self) -> int:

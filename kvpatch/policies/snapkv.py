@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -24,15 +24,19 @@ class SnapKV(TokenScorer):
         always kept.
     kernel_size : int, default 5
         Width of the 1-D average pooling that smooths scores over neighbouring tokens.
+    n_sink : int, default 4
+        Leading real tokens always kept (the attention sinks); 0 keeps none, as the paper does.
     """
 
     ratio: float = 0.5
     window: int = 64
     kernel_size: int = 5
+    n_sink: int = DEFAULT_SINKS
     name = "snapkv"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
+        check_sinks(type(self).__name__, self.n_sink)
         if self.window < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(
                 f"SnapKV needs window >= 1 and an odd kernel_size >= 1, got window={self.window}, "
@@ -41,7 +45,7 @@ class SnapKV(TokenScorer):
 
     @property
     def protected_tokens(self) -> int:
-        return self.window
+        return self.window + self.n_sink
 
     @property
     def query_window(self) -> int:

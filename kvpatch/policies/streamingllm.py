@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -24,17 +24,12 @@ class StreamingLLM(TokenScorer):
     """
 
     ratio: float = 0.5
-    n_sink: int = 4
+    n_sink: int = DEFAULT_SINKS
     name = "streamingllm"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
-        if self.n_sink < 0:
-            raise ValueError(f"StreamingLLM needs n_sink >= 0, got {self.n_sink}")
-
-    @property
-    def protected_tokens(self) -> int:
-        return self.n_sink
+        check_sinks("StreamingLLM", self.n_sink)
 
     @property
     def query_window(self) -> int:
@@ -43,4 +38,4 @@ class StreamingLLM(TokenScorer):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         valid = inputs.head_valid
         rank = valid.long().cumsum(-1) - 1  # position among the head's real tokens
-        return rank.float().masked_fill(valid & (rank < self.n_sink), float("inf"))
+        return rank.float()  # the sinks are kept by the rule every token policy shares

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, check_ratio
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
 
 
 @dataclass
@@ -20,17 +20,21 @@ class TOVA(TokenScorer):
     ----------
     ratio : float, default 0.5
         Fraction of the tokens removed.
+    n_sink : int, default 4
+        Leading real tokens always kept (the attention sinks); 0 keeps none, as the paper does.
     """
 
     ratio: float = 0.5
+    n_sink: int = DEFAULT_SINKS
     name = "tova"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
+        check_sinks("TOVA", self.n_sink)
 
     @property
     def protected_tokens(self) -> int:
-        return 1
+        return 1 + self.n_sink
 
     @property
     def query_window(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs, scores_with_rules
+from kvpatch.policies.contract import LayerInputs
 
 
 class WrapsScorer:
@@ -21,10 +21,7 @@ class WrapsScorer:
         """The scorer's scores of every layer, with the shared rules applied (padding never
         kept, ``must_keep`` always)."""
         must_keep = must_keep or [None] * len(inputs)
-        return [
-            scores_with_rules(self.scorer.score(x), x, m)
-            for x, m in zip(inputs, must_keep, strict=True)
-        ]
+        return [self.scorer.rule_scores(x, m) for x, m in zip(inputs, must_keep, strict=True)]
 
     def _check_scorer(self) -> None:
         if not isinstance(self.scorer, TokenScorer):
@@ -39,6 +36,10 @@ class WrapsScorer:
     @property
     def protected_tokens(self) -> int:
         return self.scorer.protected_tokens
+
+    @property
+    def n_sink(self) -> int:
+        return self.scorer.n_sink
 
     @property
     def needs_replay(self) -> bool:

@@ -1,0 +1,120 @@
+"""Attention of a KVzip reconstruction chunk (:mod:`kvpatch.replay`), which needs its weights: each
+layer records, per scored token and KV head, the largest weight any query of the head's GQA group
+gives it.
+
+- :func:`score_locally` (``normalise="chunk"``, the authors' scoring): the stock kernel computes
+  the output; the weights are a softmax over the sinks, the context tokens the chunk repeats and
+  the chunk itself, a few queries at a time.
+- :func:`attend` (``normalise="context"``, and turns appended to a compressed context): output and
+  weights over everything held, in fp32.
+
+For KVzip+ each weight is multiplied by ``||W_o[g] v||`` (:func:`output_norms`) and divided by the
+norm of the query's hidden state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpatch.cache import ReplayView
+
+#: fp32 weights :func:`score_locally` computes at a time (8 MiB)
+LOCAL_SCORE_ELEMENTS = 1 << 21
+
+
+def attend(
+    module, query, key, value, view: ReplayView, scaling: float, softcap: float | None
+) -> tuple[torch.Tensor, None]:
+    """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
+    fp32, normalised over all of it; records the scores and returns the output."""
+    batch, kv_heads, total, _ = key.shape
+    q_heads, q_len = query.shape[1], query.shape[2]
+    group, held = q_heads // kv_heads, total - q_len
+    scaled = (query.float() * scaling).reshape(batch, kv_heads, group * q_len, -1)
+    shape = (batch, kv_heads, group * q_len, total)
+    scores = torch.matmul(
+        scaled, key.float().transpose(-1, -2), out=view.chunk.buffer("s", shape, key)
+    )
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores += view.chunk.additive_mask(view.held_valid, group)
+    weights = torch.softmax(scores, dim=-1, out=view.chunk.buffer("w", shape, key))
+    scored = weights[..., view.scored_from : held].view(batch, kv_heads, group, q_len, -1)
+    if view.chunk.hidden_norms is not None:  # KVzip+
+        values = value[:, :, view.scored_from : held].float()
+        scored = _weigh(scored, module, values, view.chunk.hidden_norms, 0)
+    view.layer.record_replay_attention(scored.amax(dim=(2, 3)))
+    output = weights @ value.float()  # [b, kv_heads, group * q, dv]
+    output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
+    return output.to(query.dtype), None
+
+
+def score_locally(
+    module, query, key, value, view: ReplayView, scaling: float, softcap: float | None
+) -> None:
+    """Record the scores of a waiting prefill as KVzip's authors compute them: each query's
+    softmax over the chunk's :class:`~kvpatch.cache.LocalColumns` and the chunk's own keys, max
+    over the GQA group and the chunk's real queries (0 for tokens outside the chunk).
+    ``key``/``value`` are the held prefill then the chunk. At most
+    :data:`LOCAL_SCORE_ELEMENTS` fp32 weights exist at once."""
+    chunk = view.chunk
+    batch, kv_heads, total, dim = key.shape
+    q_len = query.shape[2]
+    group, held = query.shape[1] // kv_heads, total - q_len
+    index, valid = chunk.local.index, chunk.local.valid
+    columns = index.shape[1]
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        where = index[:, None, :, None].expand(batch, kv_heads, columns, tensor.shape[-1])
+        return tensor[:, :, :held].gather(2, where).float()
+
+    keys = torch.cat([gather(key), key[:, :, held:].float()], dim=2)
+    queries = (query.float() * scaling).view(batch, kv_heads, group, q_len, dim)
+    values = gather(value) if chunk.hidden_norms is not None else None
+    held_visible = valid[:, None, None, None, :]
+    best = keys.new_zeros(batch, kv_heads, columns)
+    rows = max(1, LOCAL_SCORE_ELEMENTS // (batch * kv_heads * group * keys.shape[2]))
+    for first in range(0, q_len, rows):
+        last = min(first + rows, q_len)
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", queries[:, :, :, first:last], keys)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        real = chunk.query_valid[:, None, None, first:last, None]
+        visible = torch.cat(
+            [
+                (held_visible & real).expand(-1, -1, -1, last - first, -1),
+                chunk.chunk_visible[:, None, None, first:last, :],
+            ],
+            dim=-1,
+        )
+        weights = scores.masked_fill_(~visible, float("-inf")).softmax(-1)[..., :columns]
+        if values is not None:  # KVzip+
+            weights = _weigh(weights, module, values, chunk.hidden_norms, first)
+        best = best.maximum(weights.amax(dim=(2, 3)))
+    if values is not None:
+        chunk.hidden_norms.pop(module.layer_idx)
+    full = best.new_zeros(batch, kv_heads, held)
+    spread = index[:, None, :].expand(-1, kv_heads, -1)
+    view.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
+
+
+def _weigh(weights, module, values, hidden_norms: dict, first: int) -> torch.Tensor:
+    """KVzip+: ``weights`` ``[batch, kv_heads, group, queries, tokens]`` (queries from ``first``)
+    times each token's ``||W_o[g] v||``, over each query's hidden-state norm."""
+    group, queries = weights.shape[2], weights.shape[3]
+    value_norms = output_norms(module, values, group)[..., None, :]  # [b, h, g, 1, tokens]
+    hidden = hidden_norms[module.layer_idx][:, first : first + queries].clamp(min=1e-6)
+    return weights * value_norms / hidden[:, None, None, :, None]
+
+
+def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:
+    """``||W_o[g] v||`` for every query head ``g`` of each KV head's group, ``[batch, kv_heads,
+    group, tokens]``: what a token's value ``values`` ``[batch, kv_heads, tokens, dim]`` adds to
+    the layer's output through each head's slice of the output projection, as
+    ``sqrt(v^T W_o[g]^T W_o[g] v)`` (a ``dim x dim`` product per head, not ``hidden`` wide)."""
+    kv_heads, dim = values.shape[1], values.shape[-1]
+    weight = module.o_proj.weight.float()  # [hidden, heads * dim]
+    slices = weight.view(weight.shape[0], kv_heads, group, dim).permute(1, 2, 3, 0)
+    gram = slices @ slices.transpose(-1, -2)  # [kv_heads, group, dim, dim]
+    squared = torch.einsum("bhtd,hgde,bhte->bhgt", values, gram, values)
+    return squared.clamp(min=0).sqrt()

@@ -1,0 +1,127 @@
+"""Attention sinks: every token policy keeps the first real tokens of each row (``n_sink``, 4 by
+default; 0 gives a paper's own behaviour), and a context that starts with the chat template's
+preamble (system prompt, user header) keeps all of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, prompt
+from test_agnostic import ByteTokenizer
+from test_generation import left_padded
+
+import kvpatch
+from kvpatch.policies import SnapKV
+from kvpatch.replay import system_prefix_length
+from kvpatch.testing import byte_tokenizer, tiny_model
+
+TOKEN_POLICIES = [
+    "snapkv:0.5",
+    "ada-snapkv:0.5",
+    "global-snapkv:0.5",
+    "pyramid-snapkv:0.5",
+    "span-snapkv:0.5",
+    "tova:0.5",
+    "knorm:0.5",
+    "keydiff:0.5",
+    "random:0.5",
+    "streamingllm:0.5",
+    "expected-attention:0.5",
+    "kvzip:0.5",
+    "ada-kvzip:0.5",
+    "global-kvzip:0.5",
+    "kvzip-plus:0.5",
+    "think:0.5+snapkv:0.5",
+    "think-v:0.25+ada-knorm:0.7",
+]
+
+
+def kept(cache, row: int = 0, pad: int = 0) -> list[set[int]]:
+    """Positions held, per (layer, head), of batch row ``row`` (counted from its first real
+    token, after ``pad`` padding columns)."""
+    return [
+        {p - pad for p in layer.kept_positions(row, head).tolist()}
+        for layer in cache.stats().layers
+        for head in range(layer.held.shape[1])
+    ]
+
+
+@pytest.mark.parametrize("policy", TOKEN_POLICIES)
+def test_every_policy_keeps_the_first_tokens_of_a_short_context(policy):
+    """93 tokens at ratio 0.5: SnapKV's 64-token window would be the whole budget; the first 4
+    tokens of each padded row are kept anyway, in every layer and head."""
+    model = make_model("llama")
+    ids, mask = left_padded([prompt(93, seed=1)[0], prompt(70, seed=2)[0]])
+    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+        context = kvpatch.prefill(model, ids, mask)
+    for row, pad in enumerate([0, 93 - 70]):
+        for positions in kept(context.cache, row, pad):
+            assert {0, 1, 2, 3} <= positions
+            assert len(positions) < 93
+
+
+def test_no_sinks_is_the_published_behaviour():
+    """``n_sink=0``: SnapKV keeps its window alone, and the first token goes."""
+    model = make_model("llama")
+    ids = prompt(93)
+    with kvpatch.enabled(model, SnapKV(ratio=0.5, n_sink=0)):
+        context = kvpatch.prefill(model, ids)
+    for positions in kept(context.cache):
+        assert positions == set(range(93 - 64, 93))
+    with kvpatch.enabled(model, SnapKV(ratio=0.5)):
+        context = kvpatch.prefill(model, ids)
+    for positions in kept(context.cache):
+        assert positions == set(range(4)) | set(range(93 - 64, 93))
+
+
+def test_sinks_survive_decoding_time_compression():
+    """A bounded cache re-scores what it holds: the sinks it kept at prefill stay."""
+    model = make_model("llama")
+    with kvpatch.enabled(model, "tova:0.5"):
+        cache = kvpatch.CompressedDynamicCache(
+            config=model.config, decode_budget=40, decode_interval=8
+        )
+        model.generate(prompt(60), max_new_tokens=50, do_sample=False, cache=cache, pad_token_id=0)
+    for positions in kept(cache):
+        assert {0, 1, 2, 3} <= positions
+        assert len(positions) <= 48
+
+
+def test_system_prefix_is_found_in_rendered_contexts_only():
+    tokenizer = byte_tokenizer()
+    preamble = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+    expected = len(tokenizer(preamble, add_special_tokens=False)["input_ids"])
+    template = "<|im_start|>system\nYou are terse.<|im_end|>\n" + kvpatch.testing.CHAT_TEMPLATE
+    tokenizer.chat_template = template
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "The code is 4711."}], tokenize=False
+    )
+    ids = tokenizer(rendered, return_tensors="pt", add_special_tokens=False).input_ids
+    mask = torch.ones_like(ids)
+    assert system_prefix_length(tokenizer, ids, mask) == expected
+    plain = tokenizer("The code is 4711.", return_tensors="pt").input_ids
+    assert system_prefix_length(tokenizer, plain, torch.ones_like(plain)) == 0
+    assert system_prefix_length(None, ids, mask) == 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv:0.9", "knorm:0.9", "global-kvzip:0.9"])
+def test_prefill_keeps_the_template_preamble(policy):
+    """A context rendered with the chat template keeps its whole preamble in every head, even at
+    ratio 0.9; the same text without the template keeps only the policy's 4 sinks."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = (
+        "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
+        + kvpatch.testing.CHAT_TEMPLATE
+    )
+    document = "Lease of 12 May: the tenant is Ada, the rent 930 a month. " * 4
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": document}], tokenize=False
+    )
+    ids = tokenizer(rendered, return_tensors="pt", add_special_tokens=False).input_ids
+    preamble = system_prefix_length(tokenizer, ids, torch.ones_like(ids))
+    assert preamble > 30
+    model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
+    with kvpatch.enabled(model, policy, tokenizer=tokenizer):
+        context = kvpatch.prefill(model, ids)
+    for positions in kept(context.cache):
+        assert set(range(preamble)) <= positions
