@@ -108,3 +108,24 @@ def test_kvpatch_chat_with_no_flags_talks_to_the_demo_model(real_model, monkeypa
     assert "4417" in replies[1]
     stats = next(line for line in out.split("\n") if line.startswith("KV cache:"))
     assert "saved" in stats and "2 turns" in stats
+
+
+def test_a_short_context_keeps_its_sinks(real_model):
+    """A 60-token, two-fact context at ratio 0.5: SnapKV's 64-token window would be the whole
+    budget and evict the chat template's system prompt, where attention sinks; with the
+    preamble kept, the answers are those of the full cache, not empty."""
+    from transformers import pipeline
+
+    model, tokenizer = real_model
+    document = (
+        "The meeting with Dr. Ellis is on Thursday at 3 pm in room 214. "
+        "The parking code for the garage is 5829."
+    )
+    question = ["What is the parking code?"]
+    replies = {}
+    for policy in ("snapkv:0", "snapkv:0.5"):
+        ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer, policy=policy)
+        replies[policy] = ask(context=document, questions=question, max_new_tokens=16)
+    full, compressed = (replies[p][0]["generated_text"] for p in ("snapkv:0", "snapkv:0.5"))
+    assert "5829" in full
+    assert "5829" in compressed
