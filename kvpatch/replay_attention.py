@@ -91,8 +91,6 @@ def score_locally(
         if values is not None:  # KVzip+
             weights = _weigh(weights, module, values, chunk.hidden_norms, first)
         best = best.maximum(weights.amax(dim=(2, 3)))
-    if values is not None:
-        chunk.hidden_norms.pop(module.layer_idx)
     full = best.new_zeros(batch, kv_heads, held)
     spread = index[:, None, :].expand(-1, kv_heads, -1)
     view.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
