@@ -110,10 +110,10 @@ def prefill(
     input_ids : ``[batch, tokens]`` context (left-padded for a batch).
     attention_mask : its padding mask; all ones by default.
     policy : overrides the model's policy for this context.
-    tokenizer : for ``kvzip``, which asks the model to repeat the context, and to find the chat
-        template's preamble (system prompt, user header) a rendered context starts with, which
-        every policy keeps; defaults to the one given to :func:`kvpatch.enable`, or found in the
-        model's checkpoint directory.
+    tokenizer : for ``kvzip``, which asks the model to repeat the context (defaults to the one
+        given to :func:`kvpatch.enable`, or found in the model's checkpoint directory); given
+        here, the chat template's preamble (system prompt, user header) a rendered context starts
+        with is kept by every policy.
     chunk_size : prefill the context in chunks of this many tokens: after each chunk every
         layer is compressed back to its budget (the policy's share of the real tokens seen so
         far), scored with that chunk's queries, so the KV held never exceeds the budget plus one
@@ -127,8 +127,8 @@ def prefill(
     checks.no_empty_rows(attention_mask)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
     check_chunk_size(chunk_size, cache.policy if cache.policy is not None else policy_of(model))
-    tokenizer = tokenizer_of(model, tokenizer)
-    get_tokenizer = lambda: tokenizer
-    keep_system_prefix(cache, tokenizer, input_ids, attention_mask)
+    if tokenizer is not None:  # given for this context: its chat template's preamble is kept
+        keep_system_prefix(cache, tokenizer, input_ids, attention_mask)
+    get_tokenizer = lambda: tokenizer_of(model, tokenizer)
     logits = prefill_into(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size)
     return CompressedContext(model, input_ids, attention_mask, cache, logits)

@@ -122,6 +122,6 @@ def test_prefill_keeps_the_template_preamble(policy):
     assert preamble > 30
     model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
     with kvpatch.enabled(model, policy, tokenizer=tokenizer):
-        context = kvpatch.prefill(model, ids)
+        context = kvpatch.prefill(model, ids, tokenizer=tokenizer)
     for positions in kept(context.cache):
         assert set(range(preamble)) <= positions
