@@ -49,9 +49,9 @@ class SharedPrefill:
     logits: torch.Tensor
     seconds: float
     input_ids: torch.Tensor
-    #: KVzip's reconstruction attention per (prefix length, chunk size, overlap), per layer
-    replays: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
-    replay_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    #: KVzip's reconstruction attention per (prefix length, the scorer's settings), per layer
+    replays: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
+    replay_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     #: seconds of reconstruction the last :meth:`cache` reused instead of running
     reused_replay_s: float = 0.0
 
@@ -108,7 +108,7 @@ class SharedPrefill:
 
     def _replay(self, model, cache: CompressedDynamicCache, length: int, tokenizer) -> None:
         scorer = replay.replay_scorer(cache.policy)
-        key = (length, scorer.chunk_size, scorer.overlap)
+        key = (length, repr(dataclasses.replace(scorer, ratio=0.0)))  # every setting but ratio
         if key not in self.replays:
             ids = self.input_ids[:, :length]
             start = time.perf_counter()

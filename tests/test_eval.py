@@ -121,7 +121,10 @@ def test_shared_prefill_matches_separate_prefills(tmp_path):
     """One recorded prefill per sample gives every policy the cache its own prefill would."""
     common = dict(
         model="tiny", ratios=[0.75], samples=1, context_tokens=160, digits=3, plot=False,
-        policies=["snapkv", "think:0.5+ada-snapkv", "kvzip", "global-kvzip", "expected-attention"],
+        policies=[
+            "snapkv", "think:0.5+ada-snapkv", "kvzip", "global-kvzip", "kvzip-plus",
+            "expected-attention",
+        ],
         tasks=["single", "multiquestion"], progress=False,
     )  # fmt: skip
     shared = run_eval(EvalConfig(**common, output=str(tmp_path / "a")))

@@ -92,3 +92,25 @@ def test_logical_and_physical_lengths():
     for lengths in cache.physical_lengths():
         assert lengths.sum() == 2 * (PROMPT - PROMPT * 3 // 4)
         assert len(set(lengths.flatten().tolist())) > 1
+
+
+@pytest.mark.parametrize(
+    "policy", ["global-snapkv:0.5", "pyramid-expected-attention:0.5", "think:0.5+global-tova:0.5"]
+)
+def test_layers_waiting_for_shared_budgets_hold_scores_not_queries(policy):
+    """Until every layer's scores are known, a layer keeps its scorer's scores and the last 64
+    queries (a channel policy's window, a decode budget), not every query of the prefill; the
+    kept tokens are those the layer's full inputs give (the oracle tests check the same)."""
+    model = make_model("llama")
+    ids = prompt(300)
+    config = model.config
+    with kvpatch.enabled(model, policy):
+        cache = CompressedDynamicCache(config=config)
+        with torch.no_grad():
+            model(ids, use_cache=True, **{compat.cache_argument(model): cache})
+        layers = cache.deferred_layers
+        assert len(layers) == config.num_hidden_layers
+        for layer in layers:
+            inputs = layer.deferred.inputs
+            assert inputs.queries.shape[2] == 64
+            assert inputs.scores.shape == (1, config.num_key_value_heads, 300)

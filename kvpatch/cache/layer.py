@@ -8,8 +8,6 @@ transient dense view of it marked ``CompressedView``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -188,9 +186,7 @@ class CompressedLayer(DynamicLayer):
         if inputs.num_tokens <= 1:
             self.passthrough = True
             return
-        if policy.needs_replay:  # KVzip scores need no query; a ThinK window needs the last ones
-            inputs = dataclasses.replace(inputs, queries=recompress.recent(None, inputs.queries))
-        self.deferred = Deferred(policy, inputs, decode_budget)
+        self.deferred = Deferred(policy, recompress.scored_for_later(policy, inputs), decode_budget)
 
     def _append_compressed(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if recompress.over_decode_budget(self.store, self.setup.decode_budget):

@@ -9,13 +9,14 @@ full-width window stays at full width.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvpatch.cache.store import CompressedStore
-from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Policy
+from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Policy, TokenScorer
 from kvpatch.policies.base import DEFAULT_QUERY_WINDOW
 
 #: queries kept by default for compressing again (a policy may read fewer: ``query_window``)
@@ -116,6 +117,22 @@ class LayerSetup:
         window = store.tail_valid.new_zeros(store.tail_valid.shape[0], tokens)
         window[:, tokens - width :] = True
         return window
+
+
+def scored_for_later(policy: Policy, inputs: LayerInputs) -> LayerInputs:
+    """``inputs`` of a layer whose compression waits for every layer, holding only what the
+    budget split still needs: the token scorer's scores, computed now, instead of every query
+    (the last ones stay, for a channel policy's window and a decode budget). KVzip's scores
+    come later, from its reconstruction; a policy of another kind keeps its inputs whole."""
+    tokens = token_part(policy)
+    scorer = getattr(tokens, "scorer", None)  # the scorer that global or pyramid budgets share
+    keep = max(RECENT_QUERIES, policy.query_window, policy.full_width_tokens)
+    if policy.needs_replay:
+        return dataclasses.replace(inputs, queries=recent(None, inputs.queries, keep))
+    if not isinstance(scorer, TokenScorer):  # a policy of the user's own: it keeps everything
+        return inputs
+    scores = scorer.score(inputs)
+    return dataclasses.replace(inputs, scores=scores, queries=recent(None, inputs.queries, keep))
 
 
 def token_part(policy: Policy) -> Policy | None:

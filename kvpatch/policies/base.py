@@ -107,9 +107,10 @@ class TokenScorer(Policy):
     def rule_scores(
         self, inputs: LayerInputs, must_keep: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """:meth:`score` with the rules every token policy shares: padding never kept, sinks and
-        ``must_keep`` always kept."""
-        return scores_with_rules(self.score(inputs), inputs, must_keep, self.n_sink)
+        """:meth:`score` (or the scores computed earlier, ``inputs.scores``) with the rules every
+        token policy shares: padding never kept, sinks and ``must_keep`` always kept."""
+        scores = self.score(inputs) if inputs.scores is None else inputs.scores
+        return scores_with_rules(scores, inputs, must_keep, self.n_sink)
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         scores = self.rule_scores(inputs, must_keep)

@@ -69,6 +69,9 @@ class LayerInputs:
         prefix), on top of the policy's own ``n_sink``.
     at_start : whether the tokens begin the sequence, so that its leading ones are the sinks
         (False for a segment appended later, e.g. a chat turn).
+    scores : Tensor ``[batch, kv_heads, tokens]``, the token scorer's own scores, computed at the
+        layer's prefill when compression waits for every layer (so that its queries need not be
+        kept); None: the scorer computes them.
     """
 
     queries: torch.Tensor
@@ -83,6 +86,7 @@ class LayerInputs:
     replay_attention: torch.Tensor | None = None
     sink_tokens: int = 0
     at_start: bool = True
+    scores: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
