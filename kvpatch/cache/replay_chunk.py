@@ -72,6 +72,17 @@ class ReplayChunk:
         return _chunk_visibility(self.query_valid)
 
     @functools.cached_property
+    def local_bias(self) -> torch.Tensor:
+        """``[batch, 1, 1, chunk, local columns + chunk]``: 0 where a chunk query sees a key of
+        the authors' softmax (the :class:`LocalColumns`, then the chunk), -inf elsewhere; one
+        tensor for every layer."""
+        real = self.query_valid[:, :, None]  # [b, q, 1]
+        held = self.local.valid[:, None, :] & real  # [b, q, columns]
+        visible = torch.cat([held, self.chunk_visible], dim=-1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+        return bias.masked_fill_(~visible, float("-inf"))[:, None, None]
+
+    @functools.cached_property
     def prefill_held_valid(self) -> torch.Tensor:
         """``prefill_valid`` as ``[batch, 1, prefill]``, one tensor for every layer (so that
         :meth:`additive_mask` builds its mask once)."""
