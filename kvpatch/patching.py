@@ -187,6 +187,7 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
     cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
     _refuse_uncompressible(model, cache, kwargs)
+    _refuse_another_models_cache(model, cache)
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):
             checks.no_empty_rows(kwargs["attention_mask"])
@@ -208,6 +209,20 @@ def _keep_system_prefix(model, cache: CompressedDynamicCache, args, kwargs) -> N
     mask = kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     keep_system_prefix(cache, tokenizer, input_ids, mask)
+
+
+def _refuse_another_models_cache(model, cache) -> None:
+    """A filled cache with more layers than the model was filled by another model (one with
+    fewer layers is refused at its first missing layer, by the cache itself)."""
+    if not isinstance(cache, CompressedDynamicCache) or cache.get_seq_length() == 0:
+        return
+    layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if layers is not None and len(cache.layers) > layers:
+        raise ValueError(
+            f"this cache holds {len(cache.layers)} layers but the model has {layers}: a cache is "
+            "filled by one model; make a new CompressedDynamicCache(config=model.config) for "
+            "this one"
+        )
 
 
 def _refuse_uncompressible(model, cache, kwargs) -> None:

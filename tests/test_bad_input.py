@@ -73,6 +73,18 @@ def _cache_from_another_model():
     other.generate(ids, max_new_tokens=2, **{compat.cache_argument(other): context.copy_cache()})
 
 
+def _cache_from_a_model_with_other_layers(layers: int):
+    def run():
+        context = _context()
+        other = tiny_model(num_hidden_layers=layers)
+        kvpatch.enable(other, "snapkv")
+        ids = torch.cat([context.input_ids, prompt(2)], dim=-1)
+        cache = {compat.cache_argument(other): context.copy_cache()}
+        other.generate(ids, max_new_tokens=2, **cache)
+
+    return run
+
+
 def _on_a_model_not_enabled():
     """The prefill cannot tell; the next forward refuses the uncompressed cache."""
     model = _model()
@@ -246,6 +258,8 @@ CASES = [
     Case("CompressedDynamicCache", "decode_budget below the policy's window", lambda: CompressedDynamicCache(policy="snapkv", decode_budget=10), ValueError, "larger budget"),
     Case("CompressedDynamicCache", "decode_budget with kvzip", lambda: CompressedDynamicCache(policy="kvzip", decode_budget=128), ValueError, "drop decode_budget"),
     Case("CompressedDynamicCache", "a cache filled by another model", _cache_from_another_model, ValueError, "make a new CompressedDynamicCache"),
+    Case("CompressedDynamicCache", "a cache filled by a model with fewer layers", _cache_from_a_model_with_other_layers(3), ValueError, "make a new CompressedDynamicCache"),
+    Case("CompressedDynamicCache", "a cache filled by a model with more layers", _cache_from_a_model_with_other_layers(1), ValueError, "make a new CompressedDynamicCache"),
     Case("CompressedDynamicCache", "on a model not enabled", _on_a_model_not_enabled, RuntimeError, "kvpatch.enable(model)"),
     Case("prefill", "a model not enabled", lambda: kvpatch.prefill(_model(), prompt(5)), ValueError, "kvpatch.enable"),
     Case("prefill", "token ids as a list", lambda: kvpatch.prefill(_enabled(), [1, 2, 3]), TypeError, "torch.Tensor"),

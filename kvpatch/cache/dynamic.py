@@ -87,6 +87,12 @@ class CompressedDynamicCache(DynamicCache):
         ]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx >= len(self.layers) and self.layer_class_to_replicate is None:
+            raise ValueError(
+                f"this cache has {len(self.layers)} layers (it was made for a model with that "
+                f"many), but the model gives layer {layer_idx}: a cache is filled by one model; "
+                "make a new CompressedDynamicCache(config=model.config) for this one"
+            )
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
         if deferred and layer.replay is None and not layer.deferred.policy.needs_replay:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-_BITS = 2 ** torch.arange(8, dtype=torch.uint8)
+
+def _bits(device: torch.device) -> torch.Tensor:
+    """The 8 bit values of a byte, made where they are used: a tensor built at import would be
+    built on whatever default device is active then (a meta device inside ``from_pretrained``)."""
+    return 2 ** torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def make(keep: torch.Tensor, positions: torch.Tensor, length: int, as_list: bool) -> torch.Tensor:
@@ -62,10 +66,10 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     ``8 j + i``."""
     padded = torch.nn.functional.pad(mask, (0, -mask.shape[-1] % 8)).to(torch.uint8)
     grouped = padded.view(*mask.shape[:-1], -1, 8)
-    return (grouped * _BITS.to(mask.device)).sum(-1, dtype=torch.uint8)
+    return (grouped * _bits(mask.device)).sum(-1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The bool ``[..., 8 * bytes]`` mask of :func:`_pack_bits` (trailing positions False)."""
-    bits = packed[..., None] & _BITS.to(packed.device)
+    bits = packed[..., None] & _bits(packed.device)
     return (bits != 0).flatten(-2)
