@@ -9,8 +9,7 @@ the run's peak resident memory minus the plain prefill's.
 
     python benchmarks/bench_prefill.py --contexts 2048 8192
 
-A policy may carry settings of its token scorer after a slash, e.g.
-``kvzip:0.5/chunk_size=512,normalise=context``.
+A policy may carry settings after a slash, e.g. ``kvzip:0.5/chunk_size=512,normalise=context``.
 """
 
 from __future__ import annotations
@@ -62,22 +61,6 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode())}
 
 
-def parse_with_settings(spec: str):
-    """``POLICY[/NAME=VALUE,...]``: the policy, its token scorer's fields set as given."""
-    import kvpatch
-    from kvpatch.replay import replay_scorer
-
-    name, _, settings = spec.partition("/")
-    policy = kvpatch.parse_policy(name)
-    for setting in filter(None, settings.split(",")):
-        field, _, value = setting.partition("=")
-        scorer = replay_scorer(policy)
-        current = getattr(scorer, field)
-        setattr(scorer, field, type(current)(value))
-        scorer.__post_init__()
-    return policy
-
-
 def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
     """One prefill of ``context`` random tokens in this process."""
     from transformers import DynamicCache
@@ -96,7 +79,7 @@ def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
             model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
             seconds = time.perf_counter() - start
         else:
-            kvpatch.enable(model, parse_with_settings(policy), tokenizer=ByteTokenizer())
+            kvpatch.enable(model, policy, tokenizer=ByteTokenizer())
             start = time.perf_counter()
             kvpatch.prefill(model, ids)
             seconds = time.perf_counter() - start

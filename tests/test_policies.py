@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from kvpatch.policies import (
     TOVA,
     AdaKV,
     Composed,
+    ExpectedAttention,
+    GlobalBudgets,
     Knorm,
+    KVzip,
     LayerInputs,
     RandomScorer,
     SnapKV,
@@ -298,6 +302,36 @@ def test_grammar_builds_policies():
     assert swapped.channels == ThinK(ratio=0.5) and swapped.tokens == SnapKV(ratio=0.5)
     obj = Knorm(ratio=0.3)
     assert parse_policy(obj) is obj and parse_policy(None) is None
+
+
+def test_grammar_settings_equal_the_constructors():
+    """``NAME[:RATIO]/FIELD=VALUE,...`` sets fields of the policy or of the scorer it wraps."""
+    assert parse_policy("snapkv:0.25/window=32,n_sink=0") == SnapKV(0.25, window=32, n_sink=0)
+    assert parse_policy("ada-snapkv/alpha=0.5") == AdaKV(SnapKV(), alpha=0.5)
+    assert parse_policy("ada-expected-attention:0.75/epsilon=0.01") == AdaKV(
+        ExpectedAttention(0.75, epsilon=0.01)
+    )
+    composed = parse_policy("think:0.5/window=16+global-kvzip/normalise=context")
+    assert composed.channels == ThinK(0.5, window=16)
+    assert composed.tokens == GlobalBudgets(KVzip(normalise="context"))
+    assert parse_policy("expected-attention/use_covariance=false").use_covariance is False
+
+
+@pytest.mark.parametrize(
+    ("spec", "part"),
+    [
+        ("snapkv/windw=3", "one of kernel_size, n_sink, window"),
+        ("snapkv/window", "FIELD=VALUE"),
+        ("snapkv/ratio=0.3", "the ratio goes after ':'"),
+        ("snapkv/window=x", "expected int"),
+        ("snapkv/window=0", "window >= 1"),
+        ("kvzip/normalise=softly", "normalise must be one of"),
+        ("knorm/n_sink=-1", "n_sink >= 0"),
+    ],
+)
+def test_grammar_rejects_bad_settings(spec, part):
+    with pytest.raises(ValueError, match=re.escape(part)):
+        parse_policy(spec)
 
 
 def test_grammar_unknown_name_suggests_and_lists():

@@ -98,8 +98,11 @@ class EvalConfig:
 
 def with_ratio(policy: str, ratio: float) -> str:
     """``policy`` with ``ratio`` given to every term that has none."""
-    terms = [t.strip() for t in policy.split("+")]
-    return "+".join(t if ":" in t else f"{t}:{ratio:g}" for t in terms)
+    terms = [t.strip().partition("/") for t in policy.split("+")]
+    return "+".join(
+        (name if ":" in name else f"{name}:{ratio:g}") + slash + settings
+        for name, slash, settings in terms
+    )
 
 
 def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float32"):

@@ -1,8 +1,9 @@
 """Compression policies: what each layer keeps.
 
 A policy is given as an object (``SnapKV(ratio=0.5, window=32)``) or as a string in the grammar
-``term ("+" term)*`` with ``term = NAME [":" RATIO]``, RATIO being the fraction removed
-(default 0.5):
+``term ("+" term)*`` with ``term = NAME [":" RATIO] ["/" FIELD "=" VALUE ("," FIELD "=" VALUE)*]``,
+RATIO being the fraction removed (default 0.5) and the settings fields of the policy (or of the
+token scorer it wraps), e.g. ``"snapkv:0.5/window=32,n_sink=0"``:
 ``"snapkv"``, ``"ada-snapkv:0.75"``, ``"think:0.25+ada-snapkv:0.75"``; up to three terms combine,
 one of each kind: key channels (``think``), value channels (``think-v``) and tokens, e.g.
 ``"think:0.5+think-v:0.25+ada-snapkv:0.5"``. A token scorer's name
@@ -13,6 +14,7 @@ head) or ``pyramid-`` (layer budgets shrinking with depth): ``"ada-span-kvzip:0.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from kvpatch.policies.adakv import AdaKV
@@ -78,6 +80,53 @@ def _token_scorer(name: str, ratio: float) -> TokenScorer | None:
 
 
 def _parse_term(term: str) -> Policy:
+    term, _, settings = term.partition("/")
+    policy = _parse_named(term)
+    for setting in filter(None, (s.strip() for s in settings.split(","))):
+        _apply_setting(policy, setting, term.strip())
+    return policy
+
+
+def _apply_setting(policy: Policy, setting: str, term: str) -> None:
+    """Set ``FIELD=VALUE`` on ``policy``, or on the token scorer it wraps, and check it again."""
+    field, sep, text = (part.strip() for part in setting.partition("="))
+    owners = [policy, getattr(policy, "scorer", None)]
+    owner = next((o for o in owners if dataclasses.is_dataclass(o) and field in _fields(o)), None)
+    if not sep or owner is None or field == "ratio":
+        valid = sorted({f for o in owners if dataclasses.is_dataclass(o) for f in _fields(o)})
+        valid = [f for f in valid if f not in ("ratio", "scorer")]
+        raise ValueError(
+            f"bad setting {setting!r} in policy term {term!r}: expected FIELD=VALUE with FIELD "
+            f"one of {', '.join(valid)} (the ratio goes after ':')"
+        )
+    current = getattr(owner, field)
+    try:
+        value = _typed(text, current)
+    except ValueError:
+        raise ValueError(
+            f"bad value {text!r} for {field} in policy term {term!r}: expected "
+            f"{type(current).__name__}"
+        ) from None
+    setattr(owner, field, value)
+    getattr(owner, "__post_init__", lambda: None)()  # the policy's own checks, on the new value
+
+
+def _fields(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _typed(text: str, like):
+    """``text`` as the type of ``like`` (a bool from true/false, an int, a float or a string)."""
+    if isinstance(like, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    if isinstance(like, (int, float)):
+        return type(like)(text)
+    return text
+
+
+def _parse_named(term: str) -> Policy:
     name, sep, ratio_text = term.strip().partition(":")
     name = name.strip().lower()
     ratio = DEFAULT_RATIO
