@@ -180,7 +180,8 @@ def enabled(
 def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     model = wrapped.__self__
     wants_cache = (
-        kwargs.get("use_cache", True) is not False and "cache_implementation" not in kwargs
+        kwargs.get("use_cache", True) is not False
+        and _requested_cache_implementation(model, kwargs) is None
     )
     if wants_cache and all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS):
         kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
@@ -230,18 +231,30 @@ def _refuse_uncompressible(model, cache, kwargs) -> None:
     kind of cache (a DynamicCache, StaticCache, QuantizedCache...) would hold everything."""
     if policy_of(model) is None:
         return  # enabled without a policy: only CompressedDynamicCaches compress
-    kind = None
+    kind = fix = None
     if cache is not None and not isinstance(cache, CompressedDynamicCache):
         kind = f"a {type(cache).__name__}"
-    elif kwargs.get("cache_implementation") is not None:
-        kind = f"cache_implementation={kwargs['cache_implementation']!r}"
+        fix = "pass no cache (one is made), or CompressedDynamicCache(config=model.config)"
+    elif (implementation := _requested_cache_implementation(model, kwargs)) is not None:
+        kind = f"cache_implementation={implementation!r}"
+        fix = (
+            "drop it (from generate's arguments or the generation_config given; on the model, "
+            "model.generation_config.cache_implementation = None)"
+        )
     if kind is not None:
         raise ValueError(
             f"generate() on a model kvpatch compresses was given {kind}, which would hold the "
-            "whole cache uncompressed: pass no cache (one is made), or "
-            "CompressedDynamicCache(config=model.config); to use another cache, "
-            "kvpatch.disable(model) first"
+            f"whole cache uncompressed: {fix}; to use another cache, kvpatch.disable(model) first"
         )
+
+
+def _requested_cache_implementation(model, kwargs) -> str | None:
+    """The ``cache_implementation`` ``generate(**kwargs)`` would use: its argument, else the
+    ``generation_config`` given, else the model's."""
+    if kwargs.get("cache_implementation") is not None:
+        return kwargs["cache_implementation"]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "cache_implementation", None)
 
 
 def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) -> None:

@@ -104,6 +104,17 @@ def _generate_with(cache_kwargs: Callable[[torch.nn.Module], dict], policy="snap
     return run
 
 
+def _static_in_the_model_generation_config(model) -> dict:
+    model.generation_config.cache_implementation = "static"
+    return {}
+
+
+def _static_in_a_generation_config(model) -> dict:
+    from transformers import GenerationConfig
+
+    return {"generation_config": GenerationConfig(cache_implementation="static")}
+
+
 def _dynamic(model):
     return {compat.cache_argument(model): DynamicCache(config=model.config)}
 
@@ -279,6 +290,8 @@ CASES = [
     Case("generate", "a Cache class of the user's own", _generate_with(_users_cache), ValueError, "given a _UsersCache"),
     Case("generate", "cache_implementation='static'", _generate_with(lambda m: {"cache_implementation": "static"}), ValueError, "would hold the whole cache"),
     Case("generate", "cache_implementation='quantized' (a QuantizedCache)", _generate_with(lambda m: {"cache_implementation": "quantized"}), ValueError, "would hold the whole cache"),
+    Case("generate", "cache_implementation on model.generation_config", _generate_with(_static_in_the_model_generation_config), ValueError, "would hold the whole cache"),
+    Case("generate", "cache_implementation in a generation_config argument", _generate_with(_static_in_a_generation_config), ValueError, "would hold the whole cache"),
     Case("generate", "a DynamicCache, enabled without a policy", _stock_cache_without_policy, None),
     Case("generate", "bf16 weights", _half_precision(torch.bfloat16), None),
     Case("generate", "fp16 weights", _half_precision(torch.float16), None),
