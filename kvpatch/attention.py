@@ -100,9 +100,10 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
         key, value = view.store.padded_view(view.layer)
         view = view_of(key)
     if isinstance(view, CompressedView):
-        return _attend_compressed(
+        output, weights = _attend_compressed(
             backend, original, module, query, key, value, attention_mask, view, kwargs
         )
+        return output, None if weights is None else logical_weights(weights, view)
     if isinstance(view, ReplayView):
         scaling, softcap = _scaling(module, query, kwargs), kwargs.get("softcap")
         if view.chunk.local is None:
@@ -193,6 +194,19 @@ def _attend_compressed(backend, original, module, query, key, value, attention_m
             attention_mask, view, query, key, head_padding, additive=backend == "eager"
         )
     return original(module, query, key, value, mask, **kwargs)
+
+
+def logical_weights(weights: torch.Tensor, view: CompressedView) -> torch.Tensor:
+    """Attention weights over the view's columns ``[batch, heads, queries, columns]`` laid out
+    over the logical positions, as the stock cache gives them (``output_attentions``): an
+    evicted token or padding gets weight 0."""
+    store = view.layer.store
+    batch, heads, q_len, _ = weights.shape
+    group = heads // store.packed.lengths.shape[1]
+    positions = store.slot_positions().masked_fill(~store.slot_valid(), store.end)  # spare: end
+    index = positions.repeat_interleave(group, dim=1)[:, :, None, :].expand(-1, -1, q_len, -1)
+    logical = weights.new_zeros(batch, heads, q_len, store.end + 1)
+    return logical.scatter_add_(-1, index, weights)[..., : store.end]
 
 
 def physical_mask(

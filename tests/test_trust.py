@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def test_importing_inside_a_meta_device_context_leaves_generate_working():
     """``from_pretrained`` runs code under ``torch.device("meta")``; kvpatch imported there for
@@ -47,3 +49,60 @@ def test_a_cache_implementation_on_the_generation_config_is_used_without_a_polic
     with kvpatch.enabled(model):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(out, expected)
+
+
+def _padded(kind: str):
+    import torch
+
+    from kvpatch.testing import random_prompt
+
+    ids = random_prompt(100, batch=2)
+    mask = torch.ones_like(ids)
+    if kind == "left":
+        mask[0, :7] = 0
+    elif kind == "right":
+        mask[0, -5:] = 0
+    else:  # padding every row shares
+        mask[:, :3] = 0
+    return ids, mask
+
+
+def _generate_attentions(model, ids, mask):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+        output_attentions=True, return_dict_in_generate=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "shared"])
+def test_decode_attention_weights_are_laid_out_as_stock(padding):
+    """``output_attentions`` gives weights over the logical positions: at ratio 0 those of the
+    unpatched model; compressed, zero at every evicted position and summing to one."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import tiny_model
+
+    model = tiny_model(attn_implementation="eager", key_scale=4.0)
+    ids, mask = _padded(padding)
+    stock = _generate_attentions(model, ids, mask)
+    with kvpatch.enabled(model, "snapkv:0"):
+        same = _generate_attentions(model, ids, mask)
+    assert torch.equal(same.sequences, stock.sequences)
+    for a, b in zip(stock.attentions, same.attentions, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5)
+    with kvpatch.enabled(model, "ada-snapkv:0.5"):
+        compressed = _generate_attentions(model, ids, mask)
+    layers = kvpatch.compat.cache_of(compressed).stats().layers
+    for step, attentions in enumerate(compressed.attentions[1:], start=1):
+        for layer, weights in zip(layers, attentions, strict=True):
+            assert weights.shape[-1] == ids.shape[1] + step  # every logical position
+            torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+            held = layer.kept[..., : ids.shape[1]]  # what the prefill kept, per KV head
+            group = weights.shape[1] // held.shape[1]
+            evicted = ~held.repeat_interleave(group, 1)[:, :, None, :].expand(
+                -1, -1, weights.shape[2], -1
+            )
+            assert evicted.any()
+            assert (weights[..., : ids.shape[1]][evicted] == 0).all()

@@ -214,8 +214,7 @@ class Composed(Policy):
 
     @property
     def protected_tokens(self) -> int:
-        """The full-width window and the token policy's sinks (which lie before it), or the
-        token policy's own protected tokens where they are more."""
+        """The full-width window and, before it, the token policy's sinks (or more)."""
         if self.tokens is None:
             return self.full_width_tokens
         sinks = getattr(self.tokens, "n_sink", 0)
