@@ -5,6 +5,7 @@ The rest of kvpatch calls these helpers instead of testing versions itself.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -157,14 +158,12 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
 
 
 def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
-    """Switch ``model`` (and its sub-models) to attention implementation ``name``.
+    """Switch ``model`` (and its sub-models) to attention implementation ``name`` (the tests'
+    models; :func:`kvpatch.enable` changes only the attention modules, :func:`dispatch_module_to`).
 
-    Between two flash implementations (stock ``flash_attention_2`` and kvpatch's wrapper of it) only
-    the name changes: ``set_attn_implementation`` would check the new name as a flash kernel of its
-    own and, in 5.x (checked in 5.3, 5.15 and 5.24), preload it by exact name, i.e. as a Hub kernel
-    called ``kvpatch_flash_attention_2``, which fails. The stock backend behind it was checked when
-    the model was loaded with it. Inside :func:`flash_functions` the kernel is given, so a switch
-    to flash is a rename too (transformers would look for the flash-attn package and a GPU).
+    Between two flash implementations, or inside :func:`flash_functions` (the kernel is given),
+    only the name changes: ``set_attn_implementation`` would look for the flash-attn package and
+    a GPU, and in 5.x (checked in 5.3, 5.15 and 5.24) preload an unknown flash name from the Hub.
     """
     current = attention_implementation(model)
     renamed = uses_flash_attention(current) or _installed_flash is not None
@@ -179,6 +178,22 @@ def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
             config._attn_implementation = name  # the setter updates the sub-configs too
         return
     model.set_attn_implementation(name)
+
+
+def dispatch_module_to(module: torch.nn.Module, name: str) -> None:
+    """Have one attention module call the function registered as ``name``, through a shallow
+    copy of its config naming it (every line reads ``self.config._attn_implementation`` at each
+    forward); the model's config, which others may share and which decides the masks and checks
+    such as ``output_attentions``, stays as it is. :func:`restore_module_dispatch` undoes it."""
+    own = copy.copy(module.config)
+    own._attn_implementation_internal = name  # not the setter: it would reach shared sub-configs
+    module._kvpatch_config = module.config
+    module.config = own
+
+
+def restore_module_dispatch(module: torch.nn.Module) -> None:
+    """Give ``module`` back the config it had before :func:`dispatch_module_to`."""
+    module.config = module.__dict__.pop("_kvpatch_config")
 
 
 def cache_argument(model: torch.nn.Module) -> str:

@@ -115,9 +115,9 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer
     patch = _Patch(
         policy, implementation, modules, tokenizer, model.__dict__.get("generate", _MISSING)
     )
-    compat.set_attention_implementation(model, attention.implementation_name(implementation))
     rotary = compat.rotary_function(model)
     for module in modules:
+        compat.dispatch_module_to(module, attention.implementation_name(implementation))
         attention.bind_policy(module, policy, rotary)
     model.generate = wrapt.FunctionWrapper(model.generate, _generate_with_compressed_cache)
     _patches[model] = patch
@@ -128,8 +128,8 @@ def disable(model: torch.nn.Module) -> None:
     patch = _patches.pop(model, None)
     if patch is None:
         raise ValueError("kvpatch is not enabled on this model")
-    compat.set_attention_implementation(model, patch.implementation)
     for module in patch.attention_modules:
+        compat.restore_module_dispatch(module)
         attention.unbind_policy(module)
     if patch.instance_generate is _MISSING:
         del model.generate

@@ -209,18 +209,21 @@ def test_stock_flash_attention_sees_the_stock_name(monkeypatch):
     assert seen in ([None], ["flash_attention_2"])  # 4.56-4.57 pass no name
 
 
-def test_enable_on_a_flash_model_only_renames_the_implementation():
+def test_enable_on_a_flash_model_only_changes_its_attention_modules():
     """transformers would check ``kvpatch_flash_attention_2`` as a flash kernel of its own (and,
-    from 5.0, try to load it from the Hub); the switch must only change the name."""
+    from 5.0, try to load it from the Hub): enable leaves the model's config alone, and only the
+    attention modules call kvpatch's function."""
     model = make_model("llama")
     model.config._attn_implementation = "flash_attention_2"  # no flash-attn on CPU: set by hand
+    modules = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
     kvpatch.enable(model, "snapkv")
     try:
-        assert compat.attention_implementation(model) == "kvpatch_flash_attention_2"
-        assert model.model.config._attn_implementation == "kvpatch_flash_attention_2"
+        assert compat.attention_implementation(model) == "flash_attention_2"
+        assert model.model.config._attn_implementation == "flash_attention_2"
+        assert all(m.config._attn_implementation == "kvpatch_flash_attention_2" for m in modules)
     finally:
         kvpatch.disable(model)
-    assert compat.attention_implementation(model) == "flash_attention_2"
+    assert all(m.config is model.config for m in modules)
 
 
 def test_original_attention_eager_without_a_model_function():

@@ -45,9 +45,12 @@ def test_enable_disable_round_trip(attn):
     before = fingerprint(model)
     kvpatch.enable(model, "think+ada-snapkv")
     assert kvpatch.is_enabled(model)
-    assert compat.attention_implementation(model) == f"kvpatch_{attn}"
+    assert compat.attention_implementation(model) == attn  # the shared config is untouched
+    modules = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    assert all(m.config._attn_implementation == f"kvpatch_{attn}" for m in modules)
     model.generate(prompt(100), max_new_tokens=3, do_sample=False)
     kvpatch.disable(model)
+    assert all(m.config is model.config for m in modules)
     assert not kvpatch.is_enabled(model)
     assert not any(m in _module_policies for m in model.modules())
     assert_same(before, fingerprint(model))

@@ -106,3 +106,33 @@ def test_decode_attention_weights_are_laid_out_as_stock(padding):
             )
             assert evicted.any()
             assert (weights[..., : ids.shape[1]][evicted] == 0).all()
+
+
+def test_the_model_config_stays_the_stock_one():
+    """enable changes no config a model may share: ``output_attentions`` can be set on it, a
+    second model built from it runs stock, and switching the config's implementation does not
+    stop the enabled model from compressing."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model(attn_implementation="eager", key_scale=4.0)
+    ids = random_prompt(120)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with kvpatch.enabled(model, "snapkv:0.5"):
+        compressed = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.config.output_attentions = True  # raised "not supported ... kvpatch_eager"
+        model.config.output_attentions = False
+        twin = type(model)(model.config).eval()
+        twin.load_state_dict(model.state_dict())
+        assert torch.equal(
+            twin.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), expected
+        )
+        model.config._attn_implementation = "sdpa"  # as transformers' tests do
+        again = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(again, compressed)
+        out = model.generate(
+            ids, max_new_tokens=1, do_sample=False, pad_token_id=0, return_dict_in_generate=True
+        )
+        assert kvpatch.compat.cache_of(out).stats().layers[0].compressed
