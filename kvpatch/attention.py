@@ -125,11 +125,16 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
     policy = view.policy if view.policy is not None else _module_policies.get(module)
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
         policy = None  # a sliding layer already bounds its cache
+    valid = valid_tokens(attention_mask, key)
+    if view.prompt_tokens is not None:  # assisted decoding: its candidates are not compressed
+        tokens = view.prompt_tokens
+        query, key, value = (t[..., :tokens, :] for t in (query, key, value))
+        valid = valid[:, :tokens]
     inputs = LayerInputs(
         queries=query,
         keys=key,
         values=value,
-        valid=valid_tokens(attention_mask, key),
+        valid=valid,
         scaling=_scaling(module, query, kwargs),
         layer_idx=getattr(module, "layer_idx", 0) or 0,
         rotary=_module_rotary.get(module),

@@ -18,7 +18,7 @@ import torch
 import wrapt
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from kvpatch import attention, checks, compat
+from kvpatch import attention, checks, compat, generate_args
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
 from kvpatch.feed import keep_system_prefix, prefill_into
 from kvpatch.policies import Policy, parse_policy
@@ -181,88 +181,43 @@ def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     model = wrapped.__self__
     wants_cache = (
         kwargs.get("use_cache", True) is not False
-        and _requested_cache_implementation(model, kwargs) is None
+        and generate_args.requested_cache_implementation(model, kwargs) is None
     )
     if wants_cache and all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS):
         kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
     given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
     cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
-    _refuse_uncompressible(model, cache, kwargs)
-    _refuse_another_models_cache(model, cache)
+    generate_args.refuse_uncompressible(model, policy_of(model) is not None, cache, kwargs)
+    generate_args.refuse_another_models_cache(model, cache)
     if isinstance(cache, CompressedDynamicCache) and cache.get_seq_length() == 0:
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):
             checks.no_empty_rows(kwargs["attention_mask"])
-        _keep_system_prefix(model, cache, args, kwargs)
-        policy = cache.policy if cache.policy is not None else policy_of(model)
-        check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
-        if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
-            _prefill_for_generate(model, cache, args, kwargs)
+        _prepare_empty_cache(model, cache, args, kwargs)
     return wrapped(*args, **kwargs)
 
 
-def _keep_system_prefix(model, cache: CompressedDynamicCache, args, kwargs) -> None:
-    """Keep the chat template's preamble a prompt starts with, when a tokenizer was given (to
-    :func:`enable` or ``generate``): none is searched for on every call."""
+def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> None:
+    """What a prompt tells the cache before its prefill: the chat template's preamble to keep
+    (when a tokenizer was given, to :func:`enable` or ``generate``: none is searched for on every
+    call), the prompt's length under assisted decoding; and for KVzip or a chunked prefill, the
+    prefill itself."""
+    ids = generate_args.prompt_ids(args, kwargs)
     tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
-    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if tokenizer is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        return
-    mask = kwargs.get("attention_mask")
-    mask = torch.ones_like(input_ids) if mask is None else mask
-    keep_system_prefix(cache, tokenizer, input_ids, mask)
+    if ids is not None and tokenizer is not None:
+        keep_system_prefix(cache, tokenizer, ids, generate_args.prompt_mask(ids, kwargs))
+    if ids is not None and generate_args.assisted(model, kwargs):
+        cache.prompt_tokens = ids.shape[-1]
+    policy = cache.policy if cache.policy is not None else policy_of(model)
+    check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
+    if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
+        _prefill_for_generate(model, cache, ids, kwargs)
 
 
-def _refuse_another_models_cache(model, cache) -> None:
-    """A filled cache with more layers than the model was filled by another model (one with
-    fewer layers is refused at its first missing layer, by the cache itself)."""
-    if not isinstance(cache, CompressedDynamicCache) or cache.get_seq_length() == 0:
-        return
-    layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-    if layers is not None and len(cache.layers) > layers:
-        raise ValueError(
-            f"this cache holds {len(cache.layers)} layers but the model has {layers}: a cache is "
-            "filled by one model; make a new CompressedDynamicCache(config=model.config) for "
-            "this one"
-        )
-
-
-def _refuse_uncompressible(model, cache, kwargs) -> None:
-    """A model enabled with a policy compresses every generation, or says why it cannot: another
-    kind of cache (a DynamicCache, StaticCache, QuantizedCache...) would hold everything."""
-    if policy_of(model) is None:
-        return  # enabled without a policy: only CompressedDynamicCaches compress
-    kind = fix = None
-    if cache is not None and not isinstance(cache, CompressedDynamicCache):
-        kind = f"a {type(cache).__name__}"
-        fix = "pass no cache (one is made), or CompressedDynamicCache(config=model.config)"
-    elif (implementation := _requested_cache_implementation(model, kwargs)) is not None:
-        kind = f"cache_implementation={implementation!r}"
-        fix = (
-            "drop it (from generate's arguments or the generation_config given; on the model, "
-            "model.generation_config.cache_implementation = None)"
-        )
-    if kind is not None:
-        raise ValueError(
-            f"generate() on a model kvpatch compresses was given {kind}, which would hold the "
-            f"whole cache uncompressed: {fix}; to use another cache, kvpatch.disable(model) first"
-        )
-
-
-def _requested_cache_implementation(model, kwargs) -> str | None:
-    """The ``cache_implementation`` ``generate(**kwargs)`` would use: its argument, else the
-    ``generation_config`` given, else the model's."""
-    if kwargs.get("cache_implementation") is not None:
-        return kwargs["cache_implementation"]
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(config, "cache_implementation", None)
-
-
-def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) -> None:
+def _prefill_for_generate(model, cache: CompressedDynamicCache, input_ids, kwargs) -> None:
     """Prefill all but the last prompt token before ``generate`` runs, so that a KVzip policy can
     reconstruct the prompt, or to prefill it in chunks; ``generate`` then continues from the
     compressed cache."""
-    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    if input_ids is None:
         why = (
             "kvzip reconstructs" if cache.prefill_chunk_size is None else "a chunked prefill reads"
         )
@@ -272,9 +227,7 @@ def _prefill_for_generate(model, cache: CompressedDynamicCache, args, kwargs) ->
         )
     if input_ids.shape[1] < 2:
         return
-    mask = kwargs.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(input_ids)
+    mask = generate_args.prompt_mask(input_ids, kwargs)
     get_tokenizer = lambda: tokenizer_of(model, kwargs.get("tokenizer"))
     ids, mask = input_ids[:, :-1], mask[:, :-1]
     prefill_into(model, cache, ids, mask, get_tokenizer, cache.prefill_chunk_size)

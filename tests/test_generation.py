@@ -126,10 +126,7 @@ def test_assisted_decoding_equals_greedy():
     model = make_model("llama")
     assistant = make_model("llama", seed=5)
     ids = prompt(250)
-    # the first verification forward (prompt and candidates) is what gets compressed; Knorm
-    # without sinks scores each key alone, so the candidates change nothing it keeps
-    policy = kvpatch.policies.ThinK() + kvpatch.policies.AdaKV(kvpatch.policies.Knorm(n_sink=0))
-    with kvpatch.enabled(model, policy):
+    with kvpatch.enabled(model, "think+ada-knorm"):
         greedy, _, _ = generate(model, ids, do_sample=False, new_tokens=12)
         assisted = model.generate(
             ids,

@@ -136,3 +136,43 @@ def test_the_model_config_stays_the_stock_one():
             ids, max_new_tokens=1, do_sample=False, pad_token_id=0, return_dict_in_generate=True
         )
         assert kvpatch.compat.cache_of(out).stats().layers[0].compressed
+
+
+ASSISTANTS = {
+    "draft model": lambda: {"assistant_model": _draft()},
+    "prompt lookup": lambda: {"prompt_lookup_num_tokens": 3},
+}
+
+
+def _draft():
+    from kvpatch.testing import tiny_model
+
+    return tiny_model(seed=5, key_scale=4.0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 9, 40, 300])
+@pytest.mark.parametrize("assistant", list(ASSISTANTS))
+def test_assisted_decoding_at_every_prompt_length(assistant, length):
+    """The first verification forward holds the prompt and the candidates: only the prompt is
+    compressed, so rejected candidates are tail tokens that can be cropped. At ratio 0 the
+    tokens are the unpatched model's; compressed, generation runs and the cache holds the
+    prompt's budget plus what was accepted."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model(key_scale=4.0)
+    half = random_prompt(length // 2 + 1, seed=3)
+    ids = torch.cat([half, half], 1)[:, :length]  # repeats, so that prompt lookup finds some
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, **ASSISTANTS[assistant]())
+    stock = model.generate(ids, **kwargs)
+    with kvpatch.enabled(model, "ada-snapkv:0"):
+        assert torch.equal(model.generate(ids, **kwargs), stock)
+    with kvpatch.enabled(model, "snapkv:0.5"):
+        out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    assert out.sequences.shape[1] == length + 10
+    held = kvpatch.compat.cache_of(out).physical_lengths()[0]
+    budget = max(length - length // 2, min(length, 68))  # the prompt's: window and sinks
+    if length > 1:
+        assert (held == budget + 10 - 1).all()  # and every token generated but the last

@@ -78,6 +78,9 @@ class CompressedDynamicCache(DynamicCache):
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
         self.sink_tokens = sink_tokens
+        #: set by ``generate`` for assisted decoding: the first forward's tokens that are the
+        #: prompt, compressed alone (the candidates after them stay in the tail, to be cropped)
+        self.prompt_tokens: int | None = None
         self.quantization = Quantization.parse(quantize)
         new_layer = functools.partial(CompressedLayer, quantization=self.quantization)
         if self.layer_class_to_replicate is not None:
@@ -101,7 +104,7 @@ class CompressedDynamicCache(DynamicCache):
         view = view_of(keys)
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget
-            view.sink_tokens = self.sink_tokens
+            view.sink_tokens, view.prompt_tokens = self.sink_tokens, self.prompt_tokens
         return keys, values
 
     @property

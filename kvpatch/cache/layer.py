@@ -168,9 +168,13 @@ class CompressedLayer(DynamicLayer):
             plan = policy.plan(inputs)
         plan.check(inputs)
         reserve = None if decode_budget is None else decode_budget.interval
+        tokens = inputs.num_tokens  # the prefill; tokens after it (candidates) join the tail
+        keys, values = self.keys[..., :tokens, :], self.values[..., :tokens, :]
         self.store = CompressedStore.from_plan(
-            self.keys, self.values, plan, inputs.head_valid, reserve, self.quantization
+            keys, values, plan, inputs.head_valid, reserve, self.quantization
         )
+        if self.keys.shape[-2] > tokens:
+            self.store.append(self.keys[..., tokens:, :], self.values[..., tokens:, :])
         self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)
         self._expose_tail()
         if decode_budget is not None:

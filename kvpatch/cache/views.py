@@ -29,13 +29,15 @@ class PrefillView:
     """Marks the keys of a layer's first forward: compress after attending.
 
     ``policy`` is the cache's own policy, which overrides the model's; ``sink_tokens`` the
-    cache's leading tokens to keep.
+    cache's leading tokens to keep; ``prompt_tokens``, if set, how many of the forward's tokens
+    are compressed (the others, assisted decoding's candidates, stay in the tail).
     """
 
     layer: CompressedLayer
     policy: Policy | None = None
     decode_budget: DecodeBudget | None = None
     sink_tokens: int = 0
+    prompt_tokens: int | None = None
 
 
 @dataclass
