@@ -81,7 +81,8 @@ def test_sinks_survive_decoding_time_compression():
         cache = kvpatch.CompressedDynamicCache(
             config=model.config, decode_budget=40, decode_interval=8
         )
-        model.generate(prompt(60), max_new_tokens=50, do_sample=False, cache=cache, pad_token_id=0)
+        argument = {kvpatch.compat.cache_argument(model): cache}
+        model.generate(prompt(60), max_new_tokens=50, do_sample=False, pad_token_id=0, **argument)
     for positions in kept(cache):
         assert {0, 1, 2, 3} <= positions
         assert len(positions) <= 48
