@@ -205,8 +205,8 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
     if ids is not None and tokenizer is not None:
         keep_system_prefix(cache, tokenizer, ids, generate_args.prompt_mask(ids, kwargs))
-    if ids is not None and generate_args.assisted(model, kwargs):
-        cache.prompt_tokens = ids.shape[-1]
+    assisted = ids is not None and generate_args.assisted(model, kwargs)
+    cache.prompt_tokens = ids.shape[-1] if assisted else None  # a reused cache: set anew
     policy = cache.policy if cache.policy is not None else policy_of(model)
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
