@@ -92,6 +92,7 @@ def timed_generate(
     a kvpress press), decoding ``decode_tokens`` greedily, each step timed by ``clock``; returns
     the KV bytes held at the end."""
     ids = torch.randint(0, 4096, (1, tokens), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
     cache = make_cache()
     with torch.inference_mode(), around() if around else contextlib.nullcontext():
         model.generate(
@@ -102,15 +103,16 @@ def timed_generate(
     return cache_nbytes(cache)
 
 
-def kvpatch_runs(labels: list[str], context: int, decode_tokens: int) -> dict[str, Run]:
-    """One model for every configuration: a stock ``DynamicCache`` for the baselines, a
-    ``CompressedDynamicCache`` carrying its own policy for the others."""
+def kvpatch_runs(labels: list[str], context: int, decode_tokens: int, model=None) -> dict[str, Run]:
+    """One model (:func:`build_model` unless given) for every configuration: a stock
+    ``DynamicCache`` for the baselines, a ``CompressedDynamicCache`` carrying its own policy for
+    the others."""
     from transformers import DynamicCache
 
     import kvpatch
     from kvpatch import compat
 
-    model = build_model()
+    model = model if model is not None else build_model()
     kvpatch.enable(model)  # each compressed cache carries its policy; DynamicCache stays stock
     argument = compat.cache_argument(model)
     runs = {}

@@ -62,6 +62,8 @@ class TurnClock:
         self.resumes: list[float] = []  # when it got its turn back after each
 
     def __call__(self, input_ids, scores=None, **kwargs) -> torch.Tensor:
+        if input_ids.is_cuda:  # the step's kernels are queued, not done
+            torch.cuda.synchronize(input_ids.device)
         self.ends.append(time.perf_counter())
         self._turns.hand_over(self._name)
         self._turns.wait(self._name)

@@ -82,6 +82,7 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     key_scale: float = 1.0,
+    device: str | torch.device | None = None,
     **fields,
 ) -> torch.nn.Module:
     """A tiny random model in eval mode.
@@ -93,12 +94,14 @@ def tiny_model(
     seed : seeds the random weights.
     key_scale : multiplies every key projection. Random weights give nearly flat attention;
         sharper keys (e.g. 4) make the choice of what to evict matter, as in a trained model.
+    device : where the weights live (default: torch's default device).
     fields : config fields overriding :data:`DEFAULTS`.
     """
     config = tiny_config(family, **fields)
     _, model_class = _classes(family)
     torch.manual_seed(seed)
-    model = model_class(config).to(dtype).eval()
+    with torch.device(device or torch.get_default_device()):
+        model = model_class(config).to(dtype).eval()
     compat.set_attention_implementation(model, attn_implementation)
     if key_scale != 1.0:
         with torch.no_grad():
@@ -122,9 +125,16 @@ def _key_weight(module: torch.nn.Module, config) -> torch.Tensor:
 
 
 def random_prompt(length: int, batch: int = 1, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
-    """Random token ids ``[batch, length]`` (no 0, the padding id)."""
+    """Random token ids ``[batch, length]`` (no 0, the padding id), on torch's default device
+    (drawn on the CPU, so that every device gets the same ids)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (batch, length), generator=generator)
+    ids = torch.randint(1, vocab, (batch, length), generator=generator, device="cpu")
+    return ids.to(torch.get_default_device())
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` on torch's default device, for random test tensors."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
 
 
 #: a ChatML template (SmolLM2's, without its default system prompt)

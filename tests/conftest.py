@@ -41,8 +41,26 @@ def unpatched_chat_reply(model, tokenizer, messages: list[dict], new_tokens: int
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch's default device for the tests (models, prompts, random tensors), e.g. cuda",
+    )
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    try:
+        torch.empty(0, device=device)
+    except Exception as error:  # e.g. a torch built without CUDA asserts
+        raise pytest.UsageError(f"--device {device}: {error}") from error
+    torch.set_default_device(device)
+
+
 def pytest_report_header(config):
-    return f"transformers {transformers.__version__}, torch {torch.__version__}"
+    device = torch.get_default_device()
+    return f"transformers {transformers.__version__}, torch {torch.__version__}, device {device}"
 
 
 @pytest.fixture(autouse=True)

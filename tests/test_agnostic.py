@@ -20,6 +20,7 @@ from kvpatch.patching import tokenizer_of
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
+from kvpatch.testing import seeded
 
 STEPS = 8
 
@@ -391,7 +392,7 @@ def test_expected_attention_matches_reference():
         cos, sin = rope(torch.zeros(1), positions[None])
         return cos[0], sin[0]
 
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     pre = torch.randn(1, hq, t, d, generator=gen)
     queries = torch.stack(
         [
@@ -424,7 +425,7 @@ def test_expected_attention_matches_reference():
 
 
 def test_keydiff_matches_reference():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     keys = torch.randn(2, 2, 30, 8, generator=gen)
     valid = torch.ones(2, 30, dtype=torch.bool)
     valid[1, :6] = False  # padding enters no anchor
@@ -488,7 +489,7 @@ def test_new_policies_reject_bad_parameters(cls, kwargs):
 
 def test_keydiff_is_question_agnostic():
     """KeyDiff reads no query: any queries give the same plan."""
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     k = torch.randn(1, 2, 50, 8, generator=gen)
     plans = [
         KeyDiff(ratio=0.5).plan(

@@ -11,10 +11,11 @@ import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.cache.packed import PackedKV
 from kvpatch.policies import Plan
+from kvpatch.testing import seeded
 
 
 def random_plan(batch=3, heads=2, tokens=20, dim=8, kept_channels=None, full_width_from=None):
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     keys = torch.randn(batch, heads, tokens, dim, generator=generator)
     values = torch.randn(batch, heads, tokens, dim + 2, generator=generator)
     keep = torch.rand(batch, heads, tokens, generator=generator) < 0.5

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from kvpatch.fake_keys import fake_keys
+from kvpatch.testing import seeded
 
 
 def random_case(n: int, dim: int = 64, batch: int = 2, heads: int = 3, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded(seed)
     queries = torch.randn(batch, heads, n, dim, generator=generator) * 3
     keys = torch.randn(batch, heads, 40, dim, generator=generator) * 2
     return queries, keys

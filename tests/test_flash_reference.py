@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kvpatch.flash_reference import flash_attn_func, flash_attn_varlen_func
+from kvpatch.testing import seeded
 
 
 def qkv(batch=2, sq=5, sk=9, heads=4, kv_heads=2, dim=16, seed=0, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded(seed)
 
     def draw(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)

@@ -23,6 +23,7 @@ from kvpatch.policies import (
     StreamingLLM,
     ThinK,
 )
+from kvpatch.testing import seeded
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
@@ -32,7 +33,7 @@ SINKS = 4  # every token policy keeps the first 4 real tokens by default
 
 def make_inputs(t: int, pad: int = 0, seed: int = 0) -> LayerInputs:
     """Random inputs; row 1 starts with ``pad`` padding tokens whose keys are tiny (low norm)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     q, k, v = (torch.randn(B, h, t, D, generator=gen) for h in (HQ, HKV, HKV))
     valid = torch.ones(B, t, dtype=torch.bool)
     valid[1, :pad] = False

@@ -14,6 +14,7 @@ from test_memory import prefill as prefill_memory_prompt
 import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.cache.quantized import quantize_per_channel, quantize_per_token
+from kvpatch.testing import seeded
 
 
 def reference_decode(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -25,7 +26,7 @@ def reference_decode(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def outlying(shape, seed=0) -> torch.Tensor:
     """Random rows with a few outlier channels and tokens, as keys and values have."""
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(*shape, generator=seeded(seed))
     x[:, 3] *= 20
     x[::7] *= 5
     return x

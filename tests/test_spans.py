@@ -10,6 +10,7 @@ import torch
 import kvpatch
 from kvpatch.policies import TOVA, AdaKV, LayerInputs, SnapKV, Spans, SpanSnapKV, SpanTOVA
 from kvpatch.policies.spans import spread_scores
+from kvpatch.testing import seeded
 
 
 def reference_spread(scores, valid, after, before):
@@ -33,7 +34,7 @@ def reference_spread(scores, valid, after, before):
 
 
 def layer_inputs(batch=2, kv_heads=2, group=2, tokens=48, dim=16, seed=0, padding=0):
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded(seed)
     keys = torch.randn(batch, kv_heads, tokens, dim, generator=generator) * 2
     queries = torch.randn(batch, kv_heads * group, tokens, dim, generator=generator)
     valid = torch.ones(batch, tokens, dtype=torch.bool)
@@ -49,7 +50,7 @@ def layer_inputs(batch=2, kv_heads=2, group=2, tokens=48, dim=16, seed=0, paddin
 
 @pytest.mark.parametrize(("after", "before"), [(0, 0), (1, 0), (8, 0), (3, 2), (0, 4), (60, 0)])
 def test_spread_matches_the_reference(after, before):
-    generator = torch.Generator().manual_seed(after * 10 + before)
+    generator = seeded(after * 10 + before)
     scores = torch.rand(2, 3, 40, generator=generator)
     scores[..., -5:] = math.inf  # a protected window
     scores[1, 2, 7] = math.inf  # a protected token in the middle

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.policies import AdaKV, Composed, LayerInputs, SnapKV, ThinK, ThinKValues
+from kvpatch.testing import seeded
 
 B, HQ, HKV, D, DV = 2, 4, 2, 16, 12
 G = HQ // HKV
@@ -28,7 +29,7 @@ THREE_TERMS = "think:0.5+think-v:0.25+ada-snapkv:0.5"
 def make_inputs(t: int, pad: int = 0, seed: int = 0) -> LayerInputs:
     """Random inputs with values narrower than keys; row 1 starts with ``pad`` padding tokens
     whose values are huge (they would dominate any score that counted them)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     q, k = (torch.randn(B, h, t, D, generator=gen) for h in (HQ, HKV))
     v = torch.randn(B, HKV, t, DV, generator=gen) * torch.linspace(0.2, 3, DV)
     valid = torch.ones(B, t, dtype=torch.bool)

@@ -41,6 +41,7 @@ class RandomScorer(TokenScorer):
         # one draw per (head, real-token rank): a row scores the same alone or padded in a batch
         generator = torch.Generator().manual_seed(self.seed + inputs.layer_idx)
         _, h, t, _ = inputs.keys.shape
-        table = torch.rand(t, h, generator=generator).to(inputs.keys.device)  # prefix-stable
+        # drawn on the CPU (its generator's device, whatever the default device), then moved
+        table = torch.rand(t, h, generator=generator, device="cpu").to(inputs.keys.device)
         rank = (inputs.head_valid.long().cumsum(-1) - 1).clamp(min=0)  # [b, h, t]
         return table.T.expand(rank.shape[0], -1, -1).gather(-1, rank)
