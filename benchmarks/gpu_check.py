@@ -38,6 +38,7 @@ from bench_cache import FULL, LIMIT, baseline_tokens, kvpatch_runs, measure_roun
 from bench_prefill import ByteTokenizer
 
 POLICIES = ("snapkv", "ada-snapkv", "think:0.5+snapkv")
+SECTIONS = ("kernels", "decode", "memory", "prefill")
 PREFILLS = ("global-kvzip:{r}/normalise=chunk", "global-kvzip:{r}/normalise=context")
 #: Llama-3-8B's attention and MLP shapes
 SHAPE = dict(
@@ -63,17 +64,62 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: the decode groups: how compressed layers are read, and which stock sdpa kernels may run
+GROUPS = (("padded", "default"), ("packed", "default"), ("padded", "no-cudnn"))
+
+
 @contextlib.contextmanager
-def packed_reading(device: torch.device):
-    """Decode steps on ``device`` read packed storage directly instead of the padded view."""
+def decode_setting(device: torch.device, reading: str, kernels: str):
+    """Decode steps on ``device`` read packed storage directly (``packed``) or the padded view
+    through the stock kernel (``padded``); ``no-cudnn`` keeps sdpa off its cuDNN kernel."""
     from kvpatch import packed_attention
 
-    saved = packed_attention.DEVICES
-    packed_attention.DEVICES = (*saved, device.type)
+    saved, cudnn = packed_attention.DEVICES, torch.backends.cuda.cudnn_sdp_enabled()
+    others = tuple(d for d in saved if d != device.type)
+    packed_attention.DEVICES = (*others, device.type) if reading == "packed" else others
+    torch.backends.cuda.enable_cudnn_sdp(cudnn and kernels != "no-cudnn")
     try:
         yield
     finally:
         packed_attention.DEVICES = saved
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
+def kernels(model, context: int, args) -> list[dict]:
+    """Milliseconds of one stock sdpa call at a decode step (one query per head, the keys one
+    longer each call, as in ``generate``), per kernel, with and without a boolean mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config, device = model.config, model.device
+    heads, dim = config.num_attention_heads, config.head_dim
+    query = torch.randn(1, heads, 1, dim, dtype=args.dtype, device=device)
+    keys = torch.randn(1, heads, context + args.tokens, dim, dtype=args.dtype, device=device)
+    names = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
+    backends = {"default": None, **{n: getattr(SDPBackend, n.upper()) for n in names}}
+    records = []
+    for name, backend in backends.items():
+        for masked in (False, True):
+            times = []
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    for step in range(args.tokens):
+                        k = keys[:, :, : context + step]
+                        shape = (1, 1, 1, k.shape[2])
+                        mask = (
+                            torch.ones(shape, dtype=torch.bool, device=device) if masked else None
+                        )
+                        synchronize(device)
+                        start = time.perf_counter()
+                        torch.nn.functional.scaled_dot_product_attention(
+                            query, k, k, attn_mask=mask
+                        )
+                        synchronize(device)
+                        times.append(time.perf_counter() - start)
+            except RuntimeError:  # this kernel does not serve this device, dtype or mask
+                times = []
+            ms = statistics.median(times[1:] or times) * 1e3 if times else None
+            records.append({"context": context, "kernel": name, "masked": masked, "ms": ms})
+    return records
 
 
 def decode(model, context: int, args) -> list[dict]:
@@ -84,16 +130,16 @@ def decode(model, context: int, args) -> list[dict]:
     policies = [f"{name}:{args.ratio:g}" for name in POLICIES]
     limit = f"{LIMIT}:{args.ratio:g}"
     records = []
-    for reading in ("padded", "packed"):
-        labels = [FULL, limit, *policies]
-        runs = kvpatch_runs(labels, context, args.tokens, model=model)
+    for reading, kernel in GROUPS:
+        runs = kvpatch_runs([FULL, limit, *policies], context, args.tokens, model=model)
         try:
-            with packed_reading(model.device) if reading == "packed" else contextlib.nullcontext():
+            with decode_setting(model.device, reading, kernel):
                 measured = measure_rounds(runs, context, args.rounds)
         finally:
             kvpatch.disable(model)
-        for _label, results in measured.items():
-            records += [{**r, "reading": reading, "round": i} for i, r in enumerate(results)]
+        group = f"{reading}, {kernel}"
+        for results in measured.values():
+            records += [{**r, "reading": group, "round": i} for i, r in enumerate(results)]
     return records
 
 
@@ -262,6 +308,14 @@ def memory_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def kernel_table(records: list[dict]) -> list[str]:
+    lines = ["| context | sdpa kernel | ms, no mask | ms, boolean mask |", "|---|---|---|---|"]
+    for plain, masked in zip(records[::2], records[1::2], strict=True):
+        cells = (f"{r['ms']:.3f}" if r["ms"] is not None else "-" for r in (plain, masked))
+        lines.append(f"| {plain['context']} | {plain['kernel']} | {' | '.join(cells)} |")
+    return lines
+
+
 def prefill_table(records: list[dict]) -> list[str]:
     lines = ["| context | prefill | seconds | / plain | peak MiB |", "|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
@@ -283,6 +337,10 @@ def write_report(out: Path, env: dict, results: dict) -> None:
     header = ", ".join(f"{k} {v}" for k, v in env.items())
     sections = [
         f"kvpatch GPU check: {header}",
+        "",
+        "One stock sdpa call at a decode step (median over the steps):",
+        "",
+        *kernel_table(results["kernels"]),
         "",
         "Decode (steps interleaved, medians of the rounds; ratios within a round):",
         "",
@@ -311,6 +369,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kvzip-context-max", type=int, default=32768)
     parser.add_argument("--commit", default="unknown", help="the commit measured (for the report)")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to measure"
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, fp32, on the CPU")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -323,9 +384,11 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = build_model(args)
-    results: dict[str, list[dict]] = {"decode": [], "memory": [], "prefill": []}
+    sections = {"kernels": kernels, "decode": decode, "memory": memory, "prefill": prefill_cost}
+    results: dict[str, list[dict]] = {name: [] for name in sections}
     for context in args.contexts:
-        for section, measure in (("decode", decode), ("memory", memory), ("prefill", prefill_cost)):
+        for section in args.sections:
+            measure = sections[section]
             started = time.perf_counter()
             results[section] += measure(model, context, args)
             print(f"{section} at {context}: {time.perf_counter() - started:.1f} s", flush=True)

@@ -7,7 +7,7 @@
 # Writes tests.log, tests.xml, bench.log, results.md and results.json to OUT (default
 # gpu_check_out). Needs PyTorch, transformers and wrapt only (pytest-xdist used if present).
 #
-#   benchmarks/gpu_check.sh [--dry-run] [OUT]
+#   benchmarks/gpu_check.sh [--dry-run] [OUT] [-- GPU_CHECK_PY_ARGS...]
 #
 # --dry-run: the same steps on the CPU with tiny shapes and one test file (tests/test_gpu_check.py
 # runs it).
@@ -16,10 +16,14 @@ cd "$(dirname "$0")/.."
 
 dry_run=0
 out=gpu_check_out
-for arg in "$@"; do
+options=()
+while (($#)); do
+    arg=$1
+    shift
     case $arg in
+        --) options=("$@"); break ;;
         --dry-run) dry_run=1 ;;
-        -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h | --help) sed -n "2,14p" "$0"; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $arg (valid: --dry-run, -h)" >&2; exit 2 ;;
         *) out=$arg ;;
     esac
@@ -34,11 +38,12 @@ commit=$(git describe --always --dirty 2>/dev/null || echo "${KVPATCH_COMMIT:-un
 cpu_only=(test_structure test_entry_points test_cli test_eval test_examples test_demo
     test_distributed test_real_model test_gpu_check)
 if ((dry_run)); then
-    device=cpu tests=(tests/test_fake_keys.py) options=(--dry-run) test_limit=120 bench_limit=120
+    device=cpu tests=(tests/test_fake_keys.py) test_limit=120 bench_limit=120
+    options+=(--dry-run)
 else
-    device=cuda tests=(tests) options=() test_limit=240 bench_limit=300
+    device=cuda tests=(tests) test_limit=240 bench_limit=300
     for name in "${cpu_only[@]}"; do tests+=(--ignore "tests/$name.py"); done
-    if "$python" -c "import xdist" 2>/dev/null; then tests+=(-n 8); fi
+    if "$python" -c "import xdist" 2>/dev/null; then tests+=(-n 12); fi
     if "$python" -c "import pytest_timeout" 2>/dev/null; then tests+=(--timeout 60); fi
 fi
 

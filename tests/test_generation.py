@@ -65,7 +65,9 @@ def test_padded_batch_equals_each_prompt_alone(policy):
         for row, p in enumerate(prompts):
             alone_tokens, alone_logits, alone = generate(model, p[None], do_sample=False)
             assert torch.equal(tokens[row], alone_tokens[0])
-            torch.testing.assert_close(logits[row], alone_logits[0], atol=1e-4, rtol=0)
+            # a GPU's kernels depend on the batch's shape: same tokens, logits close
+            tolerance = 1e-4 if ids.device.type == "cpu" else 5e-3
+            torch.testing.assert_close(logits[row], alone_logits[0], atol=tolerance, rtol=0)
             # each row keeps a budget of its own real length, padding never kept
             assert torch.equal(lengths[row], alone.physical_lengths()[0][0])
 

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
+READINGS = ("padded, default", "packed, default", "padded, no-cudnn")
+READINGS = ("padded, default", "packed, default", "padded, no-cudnn")
 CONFIGURATIONS = {"full", "limit:0.75", "snapkv:0.75", "ada-snapkv:0.75", "think:0.5+snapkv:0.75"}
 
 
@@ -27,10 +29,7 @@ def test_dry_run_reports_every_configuration(tmp_path):
     contexts = {256, 512}
     decoded = {(r["context"], r["reading"], r["policy"]) for r in report["decode"]}
     assert decoded == {
-        (c, reading, p)
-        for c in contexts
-        for reading in ("padded", "packed")
-        for p in CONFIGURATIONS
+        (c, reading, p) for c in contexts for reading in READINGS for p in CONFIGURATIONS
     }
     assert all(r["decode_s"] > 0 and r["kv_bytes"] > 0 for r in report["decode"])
     stored = {(r["context"], r["policy"]): r["kv_bytes"] for r in report["memory"]}
@@ -42,7 +41,9 @@ def test_dry_run_reports_every_configuration(tmp_path):
     assert (512, "global-kvzip:0.75/normalise=chunk") in prefilled
     assert (512, "global-kvzip:0.75/normalise=context") not in prefilled  # above its maximum
     table = (out / "results.md").read_text()
-    for heading in ("Decode", "Memory", "Prefill cost"):
+    kernels = {(r["context"], r["kernel"]) for r in report["kernels"]}
+    assert (256, "math") in kernels and (512, "default") in kernels
+    for heading in ("sdpa call", "Decode", "Memory", "Prefill cost"):
         assert heading in table
 
 

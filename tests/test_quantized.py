@@ -52,7 +52,9 @@ def test_keys_are_quantized_per_channel_in_groups_of_each_head(bits):
             for channel in range(rows.shape[1]):
                 expected[first:last, channel] = reference_decode(rows[first:last, channel], bits)
         start += count
-    torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-5)
+    # a GPU's fused multiply-adds round the reference's scale arithmetic differently
+    tolerance = 1e-5 if rows.device.type == "cpu" else 3e-5
+    torch.testing.assert_close(decoded, expected, atol=tolerance, rtol=tolerance)
 
 
 def test_four_bit_codes_share_a_byte():
@@ -192,8 +194,9 @@ def test_every_policy_composes_with_int4(policy):
     with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
         quantized = kvpatch.prefill(model, context, quantize="int4")
         plain = kvpatch.prefill(model, context)
-        logits, _ = greedy_logits(model, question, quantized.copy_cache(), 3)
-        expected, _ = greedy_logits(model, question, plain.copy_cache(), 3)
+        expected, fed = greedy_logits(model, question, plain.copy_cache(), 3)
+        # the same tokens fed to both: a near tie broken the other way cannot fork the paths
+        logits, _ = greedy_logits(model, question, quantized.copy_cache(), 3, tokens=fed)
     assert all(layer.packed.is_quantized for layer in quantized.cache.compressed_layers)
     assert quantized.cache.nbytes() < 0.6 * plain.cache.nbytes()
     assert (logits - expected).abs().max() < 0.3

@@ -120,8 +120,12 @@ def test_the_model_config_stays_the_stock_one():
     model = tiny_model(attn_implementation="eager", key_scale=4.0)
     ids = random_prompt(120)
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    sdpa_model = tiny_model(attn_implementation="sdpa", key_scale=4.0)  # the same weights
+    with kvpatch.enabled(sdpa_model, "snapkv:0.5"):
+        sdpa_compressed = sdpa_model.generate(
+            ids, max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
     with kvpatch.enabled(model, "snapkv:0.5"):
-        compressed = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         model.config.output_attentions = True  # raised "not supported ... kvpatch_eager"
         model.config.output_attentions = False
         twin = type(model)(model.config).eval()
@@ -131,7 +135,7 @@ def test_the_model_config_stays_the_stock_one():
         )
         model.config._attn_implementation = "sdpa"  # as transformers' tests do
         again = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        assert torch.equal(again, compressed)
+        assert torch.equal(again, sdpa_compressed)
         out = model.generate(
             ids, max_new_tokens=1, do_sample=False, pad_token_id=0, return_dict_in_generate=True
         )
