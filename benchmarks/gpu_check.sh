@@ -31,7 +31,7 @@ done
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-commit=$(git describe --always --dirty 2>/dev/null || echo "${KVPATCH_COMMIT:-unknown}")
+commit=${KVPATCH_COMMIT:-$(git describe --always --dirty 2>/dev/null || echo unknown)}
 
 # files whose tests exercise no device (code shape, command lines, examples, the demo model,
 # multi-process CPU runs): the CPU suite covers them

@@ -88,6 +88,7 @@ def _make_attention(backend: str) -> Callable:
 
 
 def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwargs):
+    backend = _current_backend(backend, module)
     original = compat.original_attention(backend, module)
     view = view_of(key)
     if isinstance(view, PrefillView):
@@ -112,6 +113,15 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
         replay_attention.score_locally(module, query, key, value, view, scaling, softcap)
         return output
     return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def _current_backend(registered: str, module: torch.nn.Module) -> str:
+    """The backend the model's config names now, else the one ``module`` was dispatched to: the
+    masks are built for the former, so the kernel must be its (a config switched from eager to
+    sdpa after ``enable`` gives no causal mask when it can be skipped)."""
+    shared = compat.shared_config(module)
+    current = backend_of(shared._attn_implementation) if shared is not None else None
+    return current or registered
 
 
 def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:

@@ -106,8 +106,7 @@ class _ConfigNamed:
 
 
 class _ModuleWithStockName:
-    """An attention module as the stock function sees it: the same module, whose config names the
-    stock backend rather than kvpatch's wrapper of it."""
+    """The attention module as the stock function sees it: its config names the stock backend."""
 
     def __init__(self, module: torch.nn.Module, backend: str):
         self.__dict__.update(_module=module, config=_ConfigNamed(module.config, backend))
@@ -140,11 +139,8 @@ def _flash_attention_as_stock(backend: str) -> Callable:
 
 
 def register_attention(name: str, function: Callable, backend: str) -> None:
-    """Register ``function`` as attention implementation ``name``, with ``backend``'s mask builder.
-
-    Since 4.53 an implementation without a mask builder receives ``attention_mask=None``, so the
-    original backend's builder is registered under the new name too.
-    """
+    """Register ``function`` as attention implementation ``name`` with ``backend``'s mask builder
+    (since 4.53 an implementation without a mask builder receives ``attention_mask=None``)."""
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[backend])
 
@@ -191,9 +187,13 @@ def dispatch_module_to(module: torch.nn.Module, name: str) -> None:
     module.config = own
 
 
+def shared_config(module: torch.nn.Module):
+    """The config ``module`` had before :func:`dispatch_module_to` (None if not dispatched)."""
+    return module.__dict__.get("_kvpatch_config")
+
+
 def restore_module_dispatch(module: torch.nn.Module) -> None:
-    """Give ``module`` back the config it had before :func:`dispatch_module_to`."""
-    module.config = module.__dict__.pop("_kvpatch_config")
+    module.config = module.__dict__.pop("_kvpatch_config")  # the one it had before dispatch
 
 
 def cache_argument(model: torch.nn.Module) -> str:

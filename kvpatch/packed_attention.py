@@ -26,9 +26,10 @@ import torch
 from kvpatch.cache.packed import gather_channels
 from kvpatch.cache.store import CompressedStore
 
-#: devices whose decode steps read packed storage directly. On an H200 (torch 2.11, bf16, 8 KV
-#: heads) head-wise and channel-pruned caches decoded 5-17x faster so than through the padded
-#: view and the stock kernel (benchmarks/gpu_check.py); elsewhere the padded view serves
+#: devices whose decode steps read packed storage directly; elsewhere the padded view serves.
+#: On an H200 (torch 2.11, bf16, 8 KV heads; benchmarks/gpu_check.py) head-wise and
+#: channel-pruned caches decoded so 7-18x faster than through the padded view and torch's
+#: default sdpa dispatch, and 0.75-1.25x its time with sdpa's cuDNN kernel disabled
 DEVICES = ("cpu", "cuda")
 #: beyond this many variable-length (batch row, KV head) segments, the per-segment loop costs
 #: more than the padded view's copy
