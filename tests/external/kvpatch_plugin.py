@@ -1,0 +1,59 @@
+"""A pytest plugin that turns kvpatch on in every causal language model a test suite builds.
+
+Load it into a suite kvpatch did not write (transformers' own model tests) to judge kvpatch by
+that suite's expectations::
+
+    KVPATCH_POLICY=snapkv:0 python -m pytest -p tests.external.kvpatch_plugin PATH/tests/...
+
+with this repository's root on ``PYTHONPATH``. Every model whose class can ``generate`` gets
+``kvpatch.enable(model, KVPATCH_POLICY)`` as its ``__init__`` ends (``post_init``), so that
+whatever the test does next (moving it, switching its attention implementation, generating)
+happens to an enabled model. Without ``KVPATCH_POLICY`` the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENVIRONMENT_VARIABLE = "KVPATCH_POLICY"
+_original_post_init = None
+
+
+def wants_kvpatch(model) -> bool:
+    """A model kvpatch compresses: one that generates text from a decoder with attention."""
+    can_generate = getattr(type(model), "can_generate", None)
+    return bool(can_generate and can_generate()) and hasattr(model.config, "num_hidden_layers")
+
+
+def pytest_configure(config):
+    policy = os.environ.get(ENVIRONMENT_VARIABLE)
+    if not policy:
+        return
+    import transformers
+
+    import kvpatch
+
+    kvpatch.parse_policy(policy)  # a bad policy stops the run here, with kvpatch's error
+    global _original_post_init
+    _original_post_init = transformers.PreTrainedModel.post_init
+
+    def post_init(self):
+        _original_post_init(self)
+        if wants_kvpatch(self) and not kvpatch.is_enabled(self):
+            kvpatch.enable(self, policy)
+
+    transformers.PreTrainedModel.post_init = post_init
+
+
+def pytest_unconfigure(config):
+    global _original_post_init
+    if _original_post_init is not None:
+        import transformers
+
+        transformers.PreTrainedModel.post_init = _original_post_init
+        _original_post_init = None
+
+
+def pytest_report_header(config):
+    policy = os.environ.get(ENVIRONMENT_VARIABLE)
+    return f"kvpatch enabled on every generating model: {policy}" if policy else None

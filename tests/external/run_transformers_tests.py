@@ -1,0 +1,128 @@
+"""Run transformers' own model tests with and without kvpatch, and list what kvpatch breaks.
+
+transformers' wheel and source distribution hold no model tests: give a checkout of its
+repository at the installed version (``git clone --depth 1 --branch vX.Y.Z`` of
+huggingface/transformers or a mirror holding the tags; nothing of it is kept here)::
+
+    python tests/external/run_transformers_tests.py --source ~/src/transformers \\
+        --models llama qwen2 gemma2 --policies snapkv:0 ada-snapkv:0
+
+For each model, its ``tests/models/NAME/test_modeling_NAME.py`` runs once without kvpatch and
+once per policy with :mod:`tests.external.kvpatch_plugin` (kvpatch enabled on every model that
+generates). A *regression* is a test that passes without kvpatch and fails or errors with it.
+Prints one summary line per (model, policy) and every regression; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = "tests.external.kvpatch_plugin"
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """``test id -> passed | failed | skipped`` from a junit XML report (errors count as
+    failures)."""
+    results = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        if kinds & {"failure", "error"}:
+            results[name] = "failed"
+        elif "skipped" in kinds:
+            results[name] = "skipped"
+        else:
+            results[name] = "passed"
+    return results
+
+
+def regressions(without: dict[str, str], with_kvpatch: dict[str, str]) -> list[str]:
+    """Tests that pass without kvpatch and do not pass with it (missing ones included)."""
+    return sorted(
+        name
+        for name, outcome in without.items()
+        if outcome == "passed" and with_kvpatch.get(name, "missing") in ("failed", "missing")
+    )
+
+
+def source_version(source: Path) -> str | None:
+    init = source / "src" / "transformers" / "__init__.py"
+    if not init.exists():
+        return None
+    found = re.search(r'__version__ = "([^"]+)"', init.read_text())
+    return found.group(1) if found else None
+
+
+def run_pytest(source: Path, test_file: Path, junit: Path, policy: str | None, extra: list[str]):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(source)])}
+    env.pop("KVPATCH_POLICY", None)
+    command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"]
+    command += ["--junitxml", str(junit), "-o", "addopts=", *extra]
+    if policy is not None:
+        env["KVPATCH_POLICY"] = policy
+        command += ["-p", PLUGIN]
+    subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
+    if not junit.exists():
+        raise RuntimeError(f"pytest wrote no report for {test_file} (policy {policy})")
+    return outcomes(junit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=Path, required=True, help="a transformers checkout")
+    parser.add_argument("--models", nargs="+", default=["llama", "qwen2", "gemma2"])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["snapkv:0", "ada-snapkv:0", "think:0+snapkv:0", "global-kvzip:0"],
+    )
+    parser.add_argument("--out", type=Path, default=Path("transformers_tests_out"))
+    parser.add_argument("--json", type=Path, help="write the summary and regressions here")
+    parser.add_argument("-k", help="only the tests pytest -k selects")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    installed, checkout = transformers.__version__, source_version(args.source)
+    if checkout is None:
+        parser.error(f"--source {args.source}: no src/transformers/__init__.py with a version")
+    if checkout != installed:
+        print(f"warning: the checkout is transformers {checkout}, {installed} is installed")
+    extra = ["-k", args.k] if args.k else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"transformers": installed, "checkout": checkout, "runs": []}
+    for model in args.models:
+        test_file = args.source / "tests" / "models" / model / f"test_modeling_{model}.py"
+        if not test_file.exists():
+            parser.error(f"no {test_file}; --models names folders of tests/models")
+        without = run_pytest(args.source, test_file, args.out / f"{model}.xml", None, extra)
+        for policy in args.policies:
+            junit = args.out / f"{model}-{re.sub(r'[^a-z0-9.]+', '_', policy)}.xml"
+            found = regressions(without, run_pytest(args.source, test_file, junit, policy, extra))
+            passed = sum(outcome == "passed" for outcome in without.values())
+            print(
+                f"{model:8} {policy:20} tests {len(without)}, passed without kvpatch {passed}, "
+                f"regressions {len(found)}",
+                flush=True,
+            )
+            for name in found:
+                print(f"    {name}")
+            report["runs"].append(
+                {"model": model, "policy": policy, "tests": len(without), "passed": passed,
+                 "regressions": found}
+            )  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if any(run["regressions"] for run in report["runs"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

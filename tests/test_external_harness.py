@@ -1,0 +1,84 @@
+"""The harness that runs transformers' own tests with kvpatch (tests/external/): on a stand-in
+checkout, the plugin enables kvpatch on every model that generates, and the runner reports the
+tests that pass without kvpatch and fail with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import transformers
+
+ROOT = Path(__file__).parent.parent
+RUNNER = ROOT / "tests" / "external" / "run_transformers_tests.py"
+
+MODEL_TESTS = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+
+
+def test_greedy_generation_runs():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    ids = torch.randint(1, 64, (1, 12))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 15)
+
+
+def test_model_is_stock():
+    import kvpatch
+
+    assert not kvpatch.is_enabled(LlamaForCausalLM(LlamaConfig(**CONFIG)))
+
+
+def test_base_model_is_left_alone():
+    import kvpatch
+
+    assert not kvpatch.is_enabled(LlamaModel(LlamaConfig(**CONFIG)))
+
+
+def test_always_fails():
+    raise AssertionError("fails with and without kvpatch: not a regression")
+"""
+
+
+def stand_in_checkout(root: Path) -> Path:
+    init = root / "src" / "transformers" / "__init__.py"
+    init.parent.mkdir(parents=True)
+    init.write_text(f'__version__ = "{transformers.__version__}"\n')
+    tests = root / "tests" / "models" / "llama"
+    tests.mkdir(parents=True)
+    (tests / "test_modeling_llama.py").write_text(MODEL_TESTS)
+    return root
+
+
+def test_runner_reports_what_only_kvpatch_breaks(tmp_path):
+    source = stand_in_checkout(tmp_path / "transformers")
+    summary = tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "--source", str(source), "--models", "llama",
+         "--policies", "snapkv:0", "--out", str(tmp_path / "out"), "--json", str(summary)],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr  # one regression found
+    (run,) = json.loads(summary.read_text())["runs"]
+    assert (run["model"], run["policy"], run["tests"], run["passed"]) == ("llama", "snapkv:0", 4, 3)
+    # the plugin enabled the causal LM (so the stock-only test fails) and nothing else
+    assert run["regressions"] == ["tests.models.llama.test_modeling_llama::test_model_is_stock"]
+    assert "regressions 1" in result.stdout
+
+
+def test_runner_refuses_a_model_without_tests(tmp_path):
+    source = stand_in_checkout(tmp_path / "transformers")
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "--source", str(source), "--models", "qwen2",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "test_modeling_qwen2.py" in result.stderr and "--models" in result.stderr
