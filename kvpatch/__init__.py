@@ -16,7 +16,7 @@ from kvpatch.cache import (
     cache_nbytes,
 )
 from kvpatch.chat import ChatSession
-from kvpatch.context import CompressedContext, prefill
+from kvpatch.context import CompressedContext, load_context, prefill
 from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.pipeline import CompressedQAPipeline
 from kvpatch.pipeline import register as _register_pipeline
@@ -78,6 +78,7 @@ __all__ = [
     "enable",
     "enabled",
     "is_enabled",
+    "load_context",
     "parse_policy",
     "policy_names",
     "prefill",

@@ -1,7 +1,9 @@
-"""The ``kvpatch`` command: ``generate``, ``chat``, ``eval`` and ``bench``.
+"""The ``kvpatch`` command: ``generate``, ``chat``, ``compress``, ``ask``, ``eval`` and ``bench``.
 
     kvpatch generate "Summarise: ..." --policy ada-span-snapkv:0.5
     kvpatch chat                      # the embedded SmolLM2, a compressed history
+    kvpatch compress report.txt --out report.kvz      # compress a document once, to a file
+    kvpatch ask report.kvz "Who wrote it?" "When?"     # answer from it, in any later process
     kvpatch eval --policies snapkv global-kvzip --samples 5
     kvpatch bench --context 4096 --policies snapkv:0.75 ada-snapkv:0.75
 
@@ -38,6 +40,18 @@ def parser() -> argparse.ArgumentParser:
         "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
     )
     add_model_options(chat, "keydiff:0.5")
+    compress = commands.add_parser(
+        "compress", help="compress a document once into a file that `kvpatch ask` answers from"
+    )
+    compress.add_argument("file", help="the document, a text file")
+    compress.add_argument("--out", required=True, help="the context file to write (e.g. doc.kvz)")
+    add_model_options(compress, "global-kvzip:0.75")
+    ask = commands.add_parser("ask", help="answer questions from a file of `kvpatch compress`")
+    ask.add_argument("context_file", help="a file written by kvpatch compress")
+    ask.add_argument("questions", nargs="+", help="one or more questions")
+    ask.add_argument("--model", help="the model (default: the one the file was compressed with)")
+    ask.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    ask.add_argument("--max-new-tokens", type=int, default=256)
     commands.add_parser("eval", help="the evaluation harness (kvpatch eval --help)", add_help=False)
     commands.add_parser(
         "bench", help="decode speed and bytes (kvpatch bench --help)", add_help=False
@@ -57,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
     try:
-        run = {"generate": run_generate, "chat": run_chat}[args.command]
+        commands = {"generate": run_generate, "chat": run_chat}
+        run = {**commands, "compress": run_compress, "ask": run_ask}[args.command]
         return run(args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # a missing or unreadable file too
         print(f"kvpatch {args.command}: error: {error}", file=sys.stderr)
         return 2
 
@@ -102,6 +117,49 @@ def run_generate(args) -> int:
     new = out.shape[1] - ids.shape[1]
     print(f"\n{cache.stats()} · {new} tokens in {seconds:.1f} s", file=sys.stderr)
     print(f"({new / seconds:.1f} tokens/s, prompt {ids.shape[1]} tokens)", file=sys.stderr)
+    return 0
+
+
+def run_compress(args) -> int:
+    """Prefill the document as the pipeline would put it before a question, compress it, save it."""
+    import os
+
+    import kvpatch
+    from kvpatch.pipeline import context_text
+
+    with open(args.file, encoding="utf-8") as f:
+        document = f.read()
+    if not document.strip():
+        raise ValueError(f"{args.file} is empty: nothing to compress")
+    kvpatch.parse_policy(args.policy)
+    model, tokenizer = load_model(args.model, args.attn, args.dtype)
+    before, _ = context_text(tokenizer, document)
+    ids = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids
+    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):
+        context = kvpatch.prefill(model, ids.to(model.device), tokenizer=tokenizer)
+    context.save(args.out, model=args.model)
+    size = os.path.getsize(args.out)
+    print(f"{ids.shape[1]} tokens, {context.cache.stats()}", file=sys.stderr)
+    print(f"wrote {args.out} ({size / 2**20:.2f} MiB)", file=sys.stderr)
+    return 0
+
+
+def run_ask(args) -> int:
+    """Answer each question from the saved context, on the model it was compressed with."""
+    from transformers import pipeline
+
+    import kvpatch
+    from kvpatch.saving import read_header
+
+    header = read_header(args.context_file)
+    source = args.model or header["extra"].get("model", "demo")
+    model, tokenizer = load_model(source, args.attn, header["dtype"])
+    with kvpatch.enabled(model):  # the saved cache carries its policy
+        context = kvpatch.load_context(model, args.context_file)
+        ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
+        answers = ask(context=context, questions=args.questions, max_new_tokens=args.max_new_tokens)
+    for answer in answers:
+        print(f"Q: {answer['question']}\nA: {answer['generated_text'].strip()}\n")
     return 0
 
 

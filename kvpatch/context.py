@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpatch import checks, compat
+from kvpatch import checks, compat, saving
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
 from kvpatch.feed import compress_appended, keep_system_prefix, prefill_into
 from kvpatch.patching import expand_for_generate, is_enabled, policy_of, tokenizer_of
@@ -45,6 +45,14 @@ class CompressedContext:
     attention_mask: torch.Tensor
     cache: CompressedDynamicCache
     logits: torch.Tensor | None = None
+
+    def save(self, path, /, **extra: str) -> None:
+        """Write this context to ``path`` (:func:`load_context` reads it back, in any process,
+        for the same model): the tensors held, in safetensors, and a header checked on loading.
+        ``extra`` strings are kept in the header."""
+        saving.save(
+            path, self.model, self.cache, self.input_ids, self.attention_mask, self.logits, **extra
+        )
 
     def copy_cache(self) -> CompressedDynamicCache:
         """An independent copy of the compressed cache, to continue from."""
@@ -131,4 +139,14 @@ def prefill(
         keep_system_prefix(cache, tokenizer, input_ids, attention_mask)
     get_tokenizer = lambda: tokenizer_of(model, tokenizer)
     logits = prefill_into(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size)
+    return CompressedContext(model, input_ids, attention_mask, cache, logits)
+
+
+def load_context(model: torch.nn.Module, path) -> CompressedContext:
+    """The context :meth:`CompressedContext.save` wrote to ``path``, for ``model`` (enabled with
+    :func:`kvpatch.enable`; the same config, weights and dtype as the model that saved it, or a
+    ValueError naming the difference). Answers are those of the context before it was saved."""
+    if not is_enabled(model):
+        raise ValueError("kvpatch.load_context needs kvpatch.enable(model) first")
+    cache, input_ids, attention_mask, logits = saving.load(model, path)
     return CompressedContext(model, input_ids, attention_mask, cache, logits)

@@ -12,6 +12,10 @@ The context goes into the chat template's user turn, before the question: everyt
 question is prefilled and compressed once (:func:`kvpatch.prefill`), and each question (with the
 template's end of turn and the assistant's prefix) is answered from a copy of that cache. A model
 already enabled keeps its state; one that is not is enabled for the call and disabled after.
+
+``context=`` also takes a context compressed earlier: a :class:`~kvpatch.CompressedContext` of
+this model, e.g. one :func:`kvpatch.load_context` read from a file that ``kvpatch compress``
+wrote (its text went through :func:`context_text` as here).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from kvpatch.chat import split_turn
-from kvpatch.context import prefill
+from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import enabled, is_enabled
 from kvpatch.policies import parse_policy
 
@@ -44,11 +48,18 @@ class CompressedQAPipeline(Pipeline):
     Other keyword arguments of a call go to ``generate`` (``max_new_tokens``, ``do_sample``...).
     """
 
-    def __call__(self, context: str, question: str | None = None, questions=None, **kwargs):
+    def __call__(self, context, question: str | None = None, questions=None, **kwargs):
         if (question is None) == (questions is None):
             raise ValueError("give a question= or questions=[...] (one of them) with context=")
-        if not isinstance(context, str) or not context:
-            raise ValueError(f"context must be non-empty text, got {context!r}")
+        if isinstance(context, CompressedContext):
+            if context.model is not self.model:
+                raise ValueError("this compressed context belongs to another model")
+            if kwargs.get("policy") is not None:
+                raise ValueError("a compressed context keeps its own policy: give no policy=")
+        elif not isinstance(context, str) or not context:
+            raise ValueError(
+                f"context must be non-empty text or a CompressedContext, got {context!r}"
+            )
         asked = [question] if question is not None else list(questions)
         if not asked or not all(isinstance(q, str) and q for q in asked):
             raise ValueError(f"questions must be non-empty strings, got {asked!r}")
@@ -67,21 +78,17 @@ class CompressedQAPipeline(Pipeline):
         return preprocess, forward, {}
 
     def preprocess(self, inputs: dict, chat_template: bool = True, separator: str = "\n\n"):
-        before, after = self._turn(inputs["context"] + separator, chat_template)
+        context = inputs["context"]
+        text = context if isinstance(context, str) else ""
+        before, after = context_text(self.tokenizer, text, chat_template, separator)
         encode = lambda text: (
             self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         )
         return {
-            "context_ids": encode(before),
+            "context": encode(before) if isinstance(context, str) else context,
             "question_ids": [encode(q + after) for q in inputs["questions"]],
             "questions": inputs["questions"],
         }
-
-    def _turn(self, context: str, chat_template: bool) -> tuple[str, str]:
-        """The text before the question (the context in its turn) and after it."""
-        if not chat_template or not getattr(self.tokenizer, "chat_template", None):
-            return context, "\n"
-        return split_turn(self.tokenizer, head=context)
 
     def _forward(self, model_inputs: dict, policy=None, generate_kwargs=None) -> dict:
         model, options = self.model, dict(generate_kwargs or {})
@@ -100,8 +107,10 @@ class CompressedQAPipeline(Pipeline):
             else enabled(model, policy, self.tokenizer)
         )
         with scope:
-            ids = model_inputs["context_ids"].to(model.device)
-            context = prefill(model, ids, policy=policy, tokenizer=self.tokenizer)
+            context = model_inputs["context"]
+            if not isinstance(context, CompressedContext):
+                ids = context.to(model.device)
+                context = prefill(model, ids, policy=policy, tokenizer=self.tokenizer)
             answers = [
                 context.generate(q.to(model.device), **options)
                 for q in model_inputs["question_ids"]
@@ -123,6 +132,16 @@ class CompressedQAPipeline(Pipeline):
                 model_outputs["questions"], model_outputs["answers"], strict=True
             )
         ]
+
+
+def context_text(
+    tokenizer, context: str, chat_template: bool = True, separator: str = "\n\n"
+) -> tuple[str, str]:
+    """The text before a question (``context`` and ``separator`` in the chat template's user
+    turn) and after it (the end of turn and the assistant's prefix)."""
+    if not chat_template or not getattr(tokenizer, "chat_template", None):
+        return context + separator, "\n"
+    return split_turn(tokenizer, head=context + separator)
 
 
 def register() -> None:

@@ -47,16 +47,67 @@ def test_generate_from_a_file_in_chunks(checkpoint, tmp_path, capsys):
     assert 40 < saved < 55  # about half of the cache
 
 
+DOCUMENT = "The key is under the blue mat. The boat leaves at noon."
+
+
+def test_compress_once_then_ask_in_another_command(checkpoint, tmp_path, capsys):
+    """At ratio 0 each answer from the saved file is the unpatched model's answer to the document
+    and the question in one user turn; ``ask`` finds the model in the file."""
+    document, saved = tmp_path / "doc.txt", tmp_path / "doc.kvz"
+    document.write_text(DOCUMENT)
+    argv = ["compress", str(document), "--out", str(saved), "--model", checkpoint]
+    assert cli.main([*argv, "--policy", "snapkv:0"]) == 0
+    assert "wrote" in capsys.readouterr().err and saved.exists()
+    questions = ["Where is the key?", "When does the boat leave?"]
+    assert cli.main(["ask", str(saved), *questions, "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    for question in questions:
+        turn = [{"role": "user", "content": f"{DOCUMENT}\n\n{question}"}]
+        assert f"Q: {question}\nA: {unpatched_reply(checkpoint, turn, 6).strip()}\n" in out
+
+
+def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
+    from transformers import pipeline
+
+    import kvpatch
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
+    questions = ["Where is the key?", "When?"]
+    with kvpatch.enabled(model, "ada-snapkv:0.5", tokenizer=tokenizer):
+        from_text = ask(context=DOCUMENT, questions=questions, max_new_tokens=5)
+        before, _ = kvpatch.pipeline.context_text(tokenizer, DOCUMENT)
+        ids = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids
+        kvpatch.prefill(model, ids, tokenizer=tokenizer).save(tmp_path / "doc.kvz")
+        loaded = kvpatch.load_context(model, tmp_path / "doc.kvz")
+        from_file = ask(context=loaded, questions=questions, max_new_tokens=5)
+        with pytest.raises(ValueError, match="keeps its own policy"):
+            ask(context=loaded, question="Who?", policy="snapkv:0.5")
+    answers = lambda results: [r["generated_text"] for r in results]
+    assert answers(from_file) == answers(from_text)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
+        (["ask", "/no/such.kvz", "Who?"], "No such file"),
+        (["compress", "/no/such.txt", "--out", "x.kvz"], "No such file"),
         (["generate", "--model", "MODEL"], "as an argument or with --prompt-file"),
         (["generate", "x", "--prompt-file", "f", "--model", "MODEL"], "one of them"),
         (["generate", "x", "--policy", "snapvk", "--model", "MODEL"], "Did you mean 'snapkv'"),
         (["generate", "x", "--model", "/no/such/model"], "cannot load '/no/such/model' offline"),
         (["chat", "--policy", "nonsense", "--model", "MODEL"], "unknown policy 'nonsense'"),
     ],
-    ids=["no-prompt", "two-prompts", "bad-policy", "unknown-model", "chat-bad-policy"],
+    ids=[
+        "ask-no-file",
+        "compress-no-file",
+        "no-prompt",
+        "two-prompts",
+        "bad-policy",
+        "unknown-model",
+        "chat-bad-policy",
+    ],
 )
 def test_bad_arguments_say_what_to_give(checkpoint, capsys, argv, says):
     argv = [checkpoint if a == "MODEL" else a for a in argv]

@@ -129,3 +129,35 @@ def test_a_short_context_keeps_its_sinks(real_model):
     full, compressed = (replies[p][0]["generated_text"] for p in ("snapkv:0", "snapkv:0.5"))
     assert "5829" in full
     assert "5829" in compressed
+
+
+def test_compress_then_ask_on_the_demo_model(real_model, tmp_path, capsys):
+    """``kvpatch compress`` then ``kvpatch ask`` (another command, the file only): the saved
+    document answers several questions as the same document compressed in memory does."""
+    from transformers import pipeline
+
+    from kvpatch import cli
+
+    model, tokenizer = real_model
+    facts = [
+        "The meeting with Dr. Ellis is on Thursday at 3 pm in room 214.",
+        "The parking code for the garage is 5829.",
+        "The project's budget for next year is 48,000 euros.",
+    ]
+    filler = "The office kitchen is cleaned every evening by the night staff. " * 12
+    document = tmp_path / "memo.txt"
+    document.write_text(" ".join([filler, facts[0], filler, facts[1], filler, facts[2]]))
+    saved = tmp_path / "memo.kvz"
+    argv = ["compress", str(document), "--out", str(saved), "--policy", "global-kvzip:0.5"]
+    assert cli.main(argv) == 0
+    questions = ["What is the parking code?", "In which room is the meeting?"]
+    assert cli.main(["ask", str(saved), *questions, "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
+    in_memory = ask(
+        context=document.read_text(), questions=questions, max_new_tokens=24,
+        policy="global-kvzip:0.5",
+    )  # fmt: skip
+    for question, expected in zip(questions, in_memory, strict=True):
+        assert f"Q: {question}\nA: {expected['generated_text'].strip()}\n" in out
+    assert "5829" in out  # the 135M model finds this fact; the room it misses in memory too
