@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvpatch import compat
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.dynamic import CompressedDynamicCache
 from kvpatch.cache.layer import CompressedLayer
@@ -73,7 +74,7 @@ def restore_layers(
 
 
 def _dynamic_layer_state(layer: DynamicLayer, own: Tensors) -> dict:
-    if not layer.is_initialized or layer.keys is None:
+    if not compat.layer_is_initialized(layer) or layer.keys is None:
         return {"kind": "empty"}
     own["keys"], own["values"] = layer.keys, layer.values
     extra = {name: getattr(layer, name) for name in ("cumulative_length",) if hasattr(layer, name)}
@@ -191,8 +192,9 @@ def _restore_compressed(layer: CompressedLayer, described: dict, own, decode_pol
 
 
 def _restore_dense(layer: DynamicLayer, described: dict, own: Tensors) -> None:
-    layer.lazy_initialization(own["keys"], own["values"])
-    layer.keys, layer.values = own["keys"], own["values"]
+    keys = own["keys"]  # set as lazy_initialization would (its signature varies by release)
+    layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+    layer.keys, layer.values = keys, own["values"]
     for name, value in described.get("attributes", {}).items():
         setattr(layer, name, value)
 
