@@ -124,7 +124,8 @@ class CompressedQAPipeline(Pipeline):
             {
                 "question": question,
                 "generated_text": self.tokenizer.decode(answer[0], skip_special_tokens=True),
-                "kv_bytes": stats.nbytes,
+                "kv_bytes": stats.kv_nbytes,
+                "index_bytes": stats.index_nbytes,
                 "uncompressed_kv_bytes": stats.full_nbytes,
                 "ratio": stats.ratio,
             }

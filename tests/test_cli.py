@@ -4,6 +4,7 @@ checkpoint with a byte-level chat tokenizer saved to disk."""
 from __future__ import annotations
 
 import io
+import re
 from importlib.metadata import entry_points
 
 import pytest
@@ -43,7 +44,7 @@ def test_generate_from_a_file_in_chunks(checkpoint, tmp_path, capsys):
     argv += ["--policy", "knorm:0.5", "--prefill-chunk", "128", "--max-new-tokens", "4"]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
-    saved = float(err.split("(")[1].split("%")[0])
+    saved = float(re.search(r"\(([-\d.]+)% saved\)", err).group(1))
     assert 40 < saved < 55  # about half of the cache
 
 
@@ -141,7 +142,7 @@ def test_chat_commands(checkpoint, monkeypatch, capsys):
     out = run_chat(checkpoint, monkeypatch, capsys, [*lines, "/nonsense"], "knorm:0.75")
     stats = [line for line in out if line.startswith("KV cache")]
     assert len(stats) == 3
-    saved = [float(s.split("(")[1].split("%")[0]) for s in stats[:2]]
+    saved = [float(re.search(r"\(([-\d.]+)% saved\)", s).group(1)) for s in stats[:2]]
     assert saved[0] > 60 and 15 < saved[1] < 40  # knorm:0.75, then snapkv:0.25 on the history
     assert "policy: snapkv" in out and "history cleared" in out
     assert stats[2].startswith("KV cache: empty")

@@ -191,3 +191,25 @@ def test_bytes_are_the_policys_share_of_the_real_tokens(policy, batch, kv_heads)
     held = cache.stats().nbytes / full
     assert held >= kept - 0.02, f"{policy}: {held:.3f} of the full cache, {kept:.3f} expected"
     assert held <= kept + protected + 0.02, f"{policy}: {held:.3f} held, {kept:.3f} expected"
+
+
+@given(
+    policy=policy_strings(),
+    batch=batches(min_length=4, max_length=150),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    new_tokens=st.integers(1, 40),
+)
+def test_keys_and_values_never_outweigh_a_full_cache(policy, batch, kv_heads, new_tokens):
+    """Whatever the prompt's length (shorter than a policy's window too) and however many
+    tokens are decoded, the keys and values held (allocated capacity, spare room included) are
+    at most a ``DynamicCache``'s of the same tokens, so the saving reported is never negative;
+    what else is held is the index, a few bytes per held position."""
+    ids, mask = batch
+    model = model_with(kv_heads, "sdpa")
+    with _enabled(model, policy):
+        _, _, cache = generate(model, ids, mask, new_tokens, do_sample=False)
+    stats = cache.stats()
+    assert stats.kv_nbytes <= stats.full_nbytes
+    assert stats.ratio >= 0 and f"({stats.ratio:.1%} saved)" in str(stats)
+    positions = sum(int(layer.held.sum()) for layer in stats.layers if layer.held is not None)
+    assert stats.index_nbytes <= 16 * positions + 4096 * len(stats.layers)

@@ -26,10 +26,14 @@ class GrowingBuffer:
         self.reserve = reserve
 
     @classmethod
-    def copy_of(cls, data: torch.Tensor, reserve: int | None = None) -> GrowingBuffer:
-        """A buffer holding a copy of ``data``, with room for ``reserve`` more positions."""
+    def copy_of(
+        cls, data: torch.Tensor, reserve: int | None = None, room: int | None = None
+    ) -> GrowingBuffer:
+        """A buffer holding a copy of ``data``, with room for ``reserve`` more positions (at
+        most ``room``)."""
         b, h, length, d = data.shape
-        storage = data.new_empty(b, h, length + (reserve or 0), d)
+        spare = (reserve or 0) if room is None else min(reserve or 0, room)
+        storage = data.new_empty(b, h, length + spare, d)
         storage[:, :, :length] = data
         buffer = cls(storage, reserve)
         buffer.length = length
@@ -38,11 +42,15 @@ class GrowingBuffer:
     def view(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
-    def append(self, states: torch.Tensor) -> None:
+    def append(self, states: torch.Tensor, max_capacity: int | None = None) -> None:
+        """Copy ``states`` after the held positions; a re-allocation leaves spare room, but holds
+        no more than ``max_capacity`` positions (unless the held ones need more)."""
         end = self.length + states.shape[2]
         if end > self.data.shape[2]:
             spare = max(CHUNK, end // 8) if self.reserve is None else self.reserve
-            capacity = end + spare
+            capacity = (
+                end + spare if max_capacity is None else max(end, min(end + spare, max_capacity))
+            )
             grown = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[3])
             grown[:, :, : self.length] = self.view()
             self.data = grown

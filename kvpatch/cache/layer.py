@@ -239,8 +239,7 @@ class CompressedLayer(DynamicLayer):
     # -- a context reconstruction (KVzip) ------------------------------------------------------
 
     def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """What the layer holds and a reconstruction chunk, which is not stored: a waiting
-        prefill (every token scored), or a compressed layer (its tail scored)."""
+        """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""
         if self.replay is None:
             raise ValueError(
                 "this cache waits for a context reconstruction (the policy scores tokens with "
@@ -276,9 +275,8 @@ class CompressedLayer(DynamicLayer):
     @property
     def policy(self) -> Policy | None:
         """The policy this layer was (or will be) compressed with."""
-        if self.deferred is not None:
-            return self.deferred.policy
-        return None if self.setup is None else self.setup.policy
+        holder = self.deferred if self.deferred is not None else self.setup
+        return None if holder is None else holder.policy
 
     def physical_lengths(self) -> torch.Tensor | None:
         """Tokens held per (batch row, KV head), or None before the first update."""
@@ -291,9 +289,12 @@ class CompressedLayer(DynamicLayer):
 
     def nbytes(self) -> int:
         """Bytes of the tensors this layer holds (their storages, not views)."""
-        if not self.is_initialized:
-            return 0
         if self.store is None:
-            return storage_nbytes(self.keys, self.values)
-        extra = storage_nbytes(self.recent_queries, self.setup.position_offset)
-        return self.store.nbytes() + extra
+            return self.kv_nbytes()
+        return self.store.nbytes() + storage_nbytes(self.recent_queries, self.setup.position_offset)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values alone, without positions, indices or queries."""
+        if self.store is not None:
+            return self.store.kv_nbytes()
+        return storage_nbytes(self.keys, self.values) if self.is_initialized else 0

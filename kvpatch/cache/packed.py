@@ -274,17 +274,19 @@ class PackedKV:
         )
 
     def nbytes(self) -> int:
-        tensors = [self.lengths, self.channels, self.value_channels, self.record]
-        for rows in (self.keys, self.values):
-            tensors += rows.tensors() if isinstance(rows, QuantizedRows) else [rows]
-        return storage_nbytes(*tensors)
+        index = storage_nbytes(self.lengths, self.channels, self.value_channels, self.record)
+        return index + self.kv_nbytes()
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the packed keys and values alone (codes and scales if quantized)."""
+        rows = [
+            r.tensors() if isinstance(r, QuantizedRows) else [r] for r in (self.keys, self.values)
+        ]
+        return storage_nbytes(*rows[0], *rows[1])
 
     def to(self, device: torch.device | str) -> PackedKV:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return replace(
-            self,
-            **{name: move(getattr(self, name)) for name in _TENSOR_FIELDS},
-        )
+        return replace(self, **{name: move(getattr(self, name)) for name in _TENSOR_FIELDS})
 
 
 _TENSOR_FIELDS = ("keys", "values", "lengths", "channels", "record", "value_channels")

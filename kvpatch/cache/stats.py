@@ -25,6 +25,9 @@ class LayerStats:
         for layers kvpatch does not manage (a sliding window holds the last tokens).
     nbytes : bytes of every tensor the layer holds (storages, spare capacity included).
     full_nbytes : bytes a ``DynamicCache`` layer would hold for the same tokens.
+    kv_nbytes : the part of ``nbytes`` that is keys and values (spare capacity included); never
+        more than ``full_nbytes``. The rest is the index: which positions are held, pruned
+        channels, padding, and a decode budget's last queries.
     """
 
     compressed: bool
@@ -33,6 +36,7 @@ class LayerStats:
     kept: torch.Tensor | None
     nbytes: int
     full_nbytes: int
+    kv_nbytes: int = 0
 
     def kept_positions(self, row: int, head: int) -> torch.Tensor:
         """Logical positions held by one (batch row, KV head), in order."""
@@ -54,15 +58,26 @@ class CacheStats:
         return sum(layer.full_nbytes for layer in self.layers)
 
     @property
+    def kv_nbytes(self) -> int:
+        return sum(layer.kv_nbytes for layer in self.layers)
+
+    @property
+    def index_nbytes(self) -> int:
+        """Bytes held besides keys and values (positions, channel indices, padding, queries)."""
+        return self.nbytes - self.kv_nbytes
+
+    @property
     def ratio(self) -> float:
-        """Fraction of the uncompressed cache's bytes saved (negative if it holds more)."""
-        return 1.0 - self.nbytes / self.full_nbytes if self.full_nbytes else 0.0
+        """Fraction of the uncompressed keys' and values' bytes saved (0 at ratio 0, never
+        negative); the index is reported beside it (:attr:`index_nbytes`)."""
+        return 1.0 - self.kv_nbytes / self.full_nbytes if self.full_nbytes else 0.0
 
     def __str__(self) -> str:
         mib = 2**20
         return (
-            f"KV cache: {self.nbytes / mib:.2f} MiB held, {self.full_nbytes / mib:.2f} MiB "
-            f"uncompressed ({self.ratio:.1%} saved)"
+            f"KV cache: {self.nbytes / mib:.2f} MiB held ({self.index_nbytes / 2**10:.1f} KiB of "
+            f"it positions and indices), {self.full_nbytes / mib:.2f} MiB uncompressed "
+            f"({self.ratio:.1%} saved)"
         )
 
 
@@ -75,7 +90,7 @@ def layer_stats(layer) -> LayerStats:
     nbytes = storage_nbytes(layer.keys, layer.values)
     count = torch.full((b, h), held, dtype=torch.long, device=layer.keys.device)
     seen = layer.get_seq_length()
-    return LayerStats(False, seen, count, None, nbytes, nbytes)
+    return LayerStats(False, seen, count, None, nbytes, nbytes, nbytes)
 
 
 def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
@@ -92,6 +107,7 @@ def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
         kept=_kept_mask(layer),
         nbytes=layer.nbytes(),
         full_nbytes=full,
+        kv_nbytes=layer.kv_nbytes(),
     )
 
 

@@ -64,10 +64,11 @@ class CompressedStore:
             tail_values = torch.cat([dense_values, tail_values], dim=-2)
             packed = packed.without_data()
         self.packed = packed
-        self.keys = GrowingBuffer.copy_of(tail_keys, reserve)
-        self.values = GrowingBuffer.copy_of(tail_values, reserve)
         self.tail_start = tail_start
         self.tail_valid = tail_valid.clone()
+        room = max(self._capacity_limit(0) - tail_keys.shape[-2], 0)  # spare room that is saved
+        self.keys = GrowingBuffer.copy_of(tail_keys, reserve, room)
+        self.values = GrowingBuffer.copy_of(tail_values, reserve, room)
         # the largest key norm of each head, for fake keys: computed when first asked for, then
         # kept up to date with the buffer's first ``_bounded`` positions
         self._norm_bound: torch.Tensor | None = None
@@ -117,10 +118,21 @@ class CompressedStore:
     # -- changes -------------------------------------------------------------------------------
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys.append(keys)
-        self.values.append(values)
+        limit = self._capacity_limit(keys.shape[-2])
+        self.keys.append(keys, limit)
+        self.values.append(values, limit)
         valid = self.tail_valid.new_ones(keys.shape[0], keys.shape[-2])
         self.tail_valid = torch.cat([self.tail_valid, valid], dim=-1)
+
+    def _capacity_limit(self, appended: int) -> int:
+        """The most positions the tail's buffer may hold after appending ``appended`` tokens: as
+        many as a ``DynamicCache`` holds (every token seen) less the packed tokens of a head on
+        average, so that spare room never outweighs what compression saved."""
+        logical = self.end + appended
+        if self.packed.keys is None:  # the packed tokens are in the buffer
+            return logical
+        kept = -(-int(self.packed.lengths.sum()) // max(self.packed.lengths.numel(), 1))
+        return logical - kept
 
     def truncate_tail(self, remove: int) -> None:
         """Forget the last ``remove`` tail tokens."""
@@ -257,8 +269,12 @@ class CompressedStore:
 
     def nbytes(self) -> int:
         """Bytes of every tensor held (storages, spare capacity included)."""
-        tensors = (self.keys.data, self.values.data, self._norm_bound, self.tail_valid)
-        return storage_nbytes(*tensors) + self.packed.nbytes()
+        index = storage_nbytes(self._norm_bound, self.tail_valid)
+        return index + self.packed.nbytes() + storage_nbytes(self.keys.data, self.values.data)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values alone (the buffers' spare room included)."""
+        return self.packed.kv_nbytes() + storage_nbytes(self.keys.data, self.values.data)
 
 
 def _with_residual(plan: Plan, residual: int) -> Plan:
