@@ -149,6 +149,7 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
         layer_idx=getattr(module, "layer_idx", 0) or 0,
         rotary=_module_rotary.get(module),
         sink_tokens=view.sink_tokens,
+        keep_tokens=view.keep_tokens,
     )
     if policy is not None and policy.needs_all_layers:
         view.layer.defer(policy, inputs, view.decode_budget)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpatch.cache import check_max_kv_tokens
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import disable, enable, is_enabled, policy_of
 from kvpatch.policies import Policy, parse_policy
@@ -56,11 +57,23 @@ class ChatSession:
     model, tokenizer : a causal LM and its tokenizer.
     policy : what to keep of each turn (the model is enabled with it; a model already enabled
         keeps its own policy unless one is given).
+    max_kv_tokens : a history at constant memory: every turn is kept whole, and once the history
+        holds more than this many tokens per head the older turns are compressed back to it with
+        ``policy`` (scored by the newest turn), instead of each turn at the policy's ratio.
     generate_kwargs : passed to every ``generate`` (``max_new_tokens``, ``do_sample``, ...).
     """
 
-    def __init__(self, model, tokenizer, policy: str | Policy | None = None, **generate_kwargs):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        policy: str | Policy | None = None,
+        max_kv_tokens: int | None = None,
+        **generate_kwargs,
+    ):
         self.model, self.tokenizer = model, tokenizer
+        check_max_kv_tokens(max_kv_tokens, None)
+        self.max_kv_tokens = max_kv_tokens
         self.generate_kwargs = {"max_new_tokens": 256, "do_sample": False, **generate_kwargs}
         if self.generate_kwargs.get("pad_token_id") is None:
             self.generate_kwargs["pad_token_id"] = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -79,6 +92,7 @@ class ChatSession:
         if policy is None:
             raise ValueError("ChatSession needs a policy (e.g. 'keydiff:0.5') or an enabled model")
         parsed = parse_policy(policy)
+        check_max_kv_tokens(self.max_kv_tokens, parsed)
         if is_enabled(self.model):
             disable(self.model)
         enable(self.model, parsed, tokenizer=self.tokenizer)
@@ -127,6 +141,7 @@ class ChatSession:
     def _append(self, ids: torch.Tensor) -> None:
         if ids.shape[1] == 0:
             return
-        self.context = (
-            prefill(self.model, ids) if self.context is None else self.context.extend(ids)
-        )
+        if self.context is None:
+            self.context = prefill(self.model, ids, max_kv_tokens=self.max_kv_tokens)
+        else:
+            self.context = self.context.extend(ids)

@@ -23,6 +23,9 @@ import torch
 
 from kvpatch.loading import add_model_options, load_model
 
+#: ``kvpatch chat``'s history bound, tokens per head
+CHAT_BUDGET = 2048
+
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="kvpatch", description=__doc__.splitlines()[0])
@@ -40,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
         "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
     )
     add_model_options(chat, "keydiff:0.5")
+    chat.add_argument(
+        "--max-kv-tokens", type=int, default=CHAT_BUDGET,
+        help="keep each turn whole and the history within this many tokens per head, the older "
+        "turns compressed with the policy's scorer (default %(default)s: the length the demo "
+        "model's accuracy is measured at; 0: compress each turn at the policy's ratio instead)",
+    )  # fmt: skip
     compress = commands.add_parser(
         "compress", help="compress a document once into a file that `kvpatch ask` answers from"
     )
@@ -197,9 +206,13 @@ def run_chat(args) -> int:
     import kvpatch
     from kvpatch.chat import ChatSession
 
-    kvpatch.parse_policy(args.policy)  # a typo fails before the model loads
+    budget = args.max_kv_tokens or None
+    # a typo, or a policy that cannot bound a history, fails before the model loads
+    kvpatch.cache.check_max_kv_tokens(budget, kvpatch.parse_policy(args.policy))
     model, tokenizer = load_model(args.model, args.attn, args.dtype)
-    session = ChatSession(model, tokenizer, args.policy, max_new_tokens=args.max_new_tokens)
+    session = ChatSession(
+        model, tokenizer, args.policy, max_kv_tokens=budget, max_new_tokens=args.max_new_tokens
+    )
     print(f"kvpatch chat · {args.policy} · {CHAT_HELP}", flush=True)
     for line in sys.stdin:
         line = line.strip()

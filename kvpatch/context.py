@@ -22,7 +22,12 @@ import torch
 
 from kvpatch import checks, compat, saving
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
-from kvpatch.feed import compress_appended, keep_system_prefix, prefill_into
+from kvpatch.feed import (
+    append_within_budget,
+    compress_appended,
+    keep_system_prefix,
+    prefill_into,
+)
 from kvpatch.patching import expand_for_generate, is_enabled, policy_of, tokenizer_of
 from kvpatch.policies import Policy
 
@@ -71,7 +76,10 @@ class CompressedContext:
         mask = torch.cat([self.attention_mask, torch.ones_like(ids)], dim=-1)
         start = self.input_ids.shape[1]
         get_tokenizer = lambda: tokenizer_of(self.model, tokenizer)
-        logits = compress_appended(self.model, cache, input_ids, mask, start, get_tokenizer)
+        if cache.max_kv_tokens is not None:  # kept whole, the older history compressed to fit
+            logits = append_within_budget(self.model, cache, input_ids, mask, start)
+        else:
+            logits = compress_appended(self.model, cache, input_ids, mask, start, get_tokenizer)
         return CompressedContext(self.model, input_ids, mask, cache, logits)
 
     def _as_batch(self, ids: torch.Tensor, name: str) -> torch.Tensor:

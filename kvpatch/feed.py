@@ -18,7 +18,13 @@ from collections.abc import Callable
 import torch
 
 from kvpatch import compat, replay
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer, token_part, token_policy_of
+from kvpatch.cache import (
+    CompressedDynamicCache,
+    CompressedLayer,
+    bounded_history_policy,
+    token_part,
+    token_policy_of,
+)
 from kvpatch.policies import LayerInputs
 
 TokenizerSource = Callable[[], object]
@@ -99,6 +105,45 @@ def _compress_held(layers: list[CompressedLayer], attention_mask: torch.Tensor) 
         keeps = [plan.keep for plan in tokens.plan_layers(inputs, _windows(layers, inputs))]
     for layer, x, keep in zip(layers, inputs, keeps, strict=True):
         layer.keep_held(x, keep)
+
+
+@torch.no_grad()
+def append_within_budget(
+    model: torch.nn.Module,
+    cache: CompressedDynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """Run ``input_ids[:, start:]`` into ``cache`` whole; then, if a layer's heads hold more
+    than ``cache.max_kv_tokens`` tokens on average, compress every layer back to that many with
+    its policy, scored with these tokens' queries, which are all kept. Returns the logits after
+    the last token."""
+    logits, layers = forward_appended(model, cache, input_ids, attention_mask, start)
+    budget, newest = cache.max_kv_tokens, input_ids.shape[1] - start
+    if layers and any(_held_per_head(layer) > budget for layer in layers):
+        tokens = bounded_history_policy(layers[0].policy)
+        inputs = [layer.held_inputs(max(budget, newest)) for layer in layers]
+        windows = _windows(layers, inputs)
+        windows = [_with_newest(w, x, newest) for w, x in zip(windows, inputs, strict=True)]
+        plans = tokens.plan_layers(inputs, windows)
+        for layer, x, plan in zip(layers, inputs, plans, strict=True):
+            layer.keep_held(x, plan.keep)
+    for layer in layers:
+        layer.segment_queries = None
+    return logits
+
+
+def _held_per_head(layer: CompressedLayer) -> float:
+    return float(layer.physical_lengths().float().mean(-1).max())
+
+
+def _with_newest(window: torch.Tensor | None, inputs: LayerInputs, newest: int) -> torch.Tensor:
+    """``window`` (or nothing) and the last ``newest`` of ``inputs``' tokens: always kept."""
+    keep = torch.zeros(inputs.keys.shape[0], inputs.num_tokens, dtype=torch.bool)
+    keep = keep.to(inputs.keys.device)
+    keep[:, inputs.num_tokens - newest :] = True
+    return keep if window is None else keep | window
 
 
 def _windows(layers: list[CompressedLayer], inputs: list[LayerInputs]) -> list:

@@ -50,6 +50,7 @@ def save(
         "quantization": None if cache.quantization is None else vars(cache.quantization),
         "decode_budget": None if budget is None else vars(budget),
         "sink_tokens": cache.sink_tokens,
+        "max_kv_tokens": cache.max_kv_tokens,
         "model": fingerprint(model),
         "checksum": tensors_checksum(tensors),
         "layers": layers,
@@ -109,6 +110,7 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
         decode_interval=(header["decode_budget"] or {}).get("interval", 64),
         quantize=None if header["quantization"] is None else Quantization(**header["quantization"]),
         sink_tokens=header["sink_tokens"],
+        max_kv_tokens=header.get("max_kv_tokens"),
     )
     serial.restore_layers(cache, header["layers"], tensors, decode_policy, rotary_function(model))
     ids, mask = tensors["context.input_ids"], tensors["context.attention_mask"]

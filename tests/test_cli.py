@@ -99,6 +99,9 @@ def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
         (["generate", "x", "--policy", "snapvk", "--model", "MODEL"], "Did you mean 'snapkv'"),
         (["generate", "x", "--model", "/no/such/model"], "cannot load '/no/such/model' offline"),
         (["chat", "--policy", "nonsense", "--model", "MODEL"], "unknown policy 'nonsense'"),
+        (["chat", "--policy", "think:0.5", "--model", "/no/such/model"], "only prunes channels"),
+        (["chat", "--policy", "kvzip:0.5", "--model", "/no/such/model"], "reconstructing"),
+        (["chat", "--max-kv-tokens", "-3", "--model", "/no/such/model"], "integer >= 1"),
     ],
     ids=[
         "ask-no-file",
@@ -108,6 +111,9 @@ def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
         "bad-policy",
         "unknown-model",
         "chat-bad-policy",
+        "chat-channels-only",
+        "chat-kvzip",
+        "chat-negative-budget",
     ],
 )
 def test_bad_arguments_say_what_to_give(checkpoint, capsys, argv, says):
@@ -116,9 +122,13 @@ def test_bad_arguments_say_what_to_give(checkpoint, capsys, argv, says):
     assert says in capsys.readouterr().err
 
 
-def run_chat(checkpoint, monkeypatch, capsys, lines: list[str], policy: str) -> list[str]:
+def run_chat(
+    checkpoint, monkeypatch, capsys, lines: list[str], policy: str, budget: int = 0
+) -> list[str]:
+    """``kvpatch chat`` on ``lines``; ``budget`` 0 compresses each turn at the policy's ratio."""
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
     argv = ["chat", "--model", checkpoint, "--policy", policy, "--max-new-tokens", "8"]
+    argv += ["--max-kv-tokens", str(budget)]
     assert cli.main(argv) == 0
     return capsys.readouterr().out.split("\n")  # replies may hold other line breaks (\x0b)
 
@@ -135,6 +145,18 @@ def test_chat_at_ratio_zero_answers_as_the_whole_conversation(checkpoint, monkey
         {"role": "user", "content": "and then?"},
     ]
     assert replies == [first, unpatched_reply(checkpoint, history, 8)]
+
+
+def test_chat_within_a_budget_keeps_short_turns_whole(checkpoint, monkeypatch, capsys):
+    """With a history budget larger than the conversation, nothing is removed: the replies are
+    the unpatched model's to the whole conversation, although the policy's ratio is 0.5."""
+    lines = ["hi there", "and then?", "/stats", "/quit"]
+    out = run_chat(checkpoint, monkeypatch, capsys, lines, "keydiff:0.5", budget=2048)
+    replies = [line.removeprefix("assistant: ") for line in out if line.startswith("assistant: ")]
+    first = unpatched_reply(checkpoint, [{"role": "user", "content": "hi there"}], 8)
+    assert replies[0] == first
+    stats = next(line for line in out if line.startswith("KV cache"))
+    assert "(0.0% saved)" in stats
 
 
 def test_chat_commands(checkpoint, monkeypatch, capsys):

@@ -161,3 +161,17 @@ def test_compress_then_ask_on_the_demo_model(real_model, tmp_path, capsys):
     for question, expected in zip(questions, in_memory, strict=True):
         assert f"Q: {question}\nA: {expected['generated_text'].strip()}\n" in out
     assert "5829" in out  # the 135M model finds this fact; the room it misses in memory too
+
+
+def test_kvpatch_chat_keeps_a_short_turn_whole(real_model, monkeypatch, capsys):
+    """``kvpatch chat`` with no flags keeps each turn whole within its history budget: a name
+    given in a short turn is still there (compressing that turn at keydiff:0.5 lost it)."""
+    import io
+
+    from kvpatch import cli
+
+    turns = ["My name is Zorblat.", "What is my name?"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/quit"]) + "\n"))
+    assert cli.main(["chat", "--max-new-tokens", "24"]) == 0
+    replies = [line for line in capsys.readouterr().out.split("\n") if line.startswith("assistant")]
+    assert "Zorblat" in replies[1]

@@ -20,7 +20,9 @@ from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import (
     RECENT_QUERIES,
     DecodeBudget,
+    bounded_history_policy,
     check_chunk_size,
+    check_max_kv_tokens,
     token_part,
     token_policy_of,
 )
@@ -51,8 +53,10 @@ __all__ = [
     "ReplayChunk",
     "ReplayView",
     "View",
+    "bounded_history_policy",
     "cache_nbytes",
     "check_chunk_size",
+    "check_max_kv_tokens",
     "mark",
     "token_part",
     "token_policy_of",

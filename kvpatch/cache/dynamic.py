@@ -12,7 +12,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.quantized import Quantization
-from kvpatch.cache.recompress import DecodeBudget, check_chunk_size, check_decode_budget
+from kvpatch.cache.recompress import (
+    DecodeBudget,
+    check_chunk_size,
+    check_decode_budget,
+    check_max_kv_tokens,
+)
 from kvpatch.cache.stats import CacheStats, layer_stats
 from kvpatch.cache.views import PrefillView, view_of
 from kvpatch.policies import Policy, parse_policy
@@ -45,6 +50,11 @@ class CompressedDynamicCache(DynamicCache):
         the newest tokens (a channel policy's window, else the newest prefill tokens every head
         keeps, up to 32 at int8 and 128 at int4, and every token appended since the last
         compression) stay at full precision. None: the model's dtype.
+    max_kv_tokens : int, optional
+        A bounded history (a chat at constant memory, :meth:`~kvpatch.CompressedContext.extend`):
+        the prefill keeps up to this many tokens per head (all of a shorter one) instead of the
+        policy's ratio, and each appended turn is kept whole, the older tokens compressed back
+        with the policy so that a head holds this many on average. ``generate`` decodes on top.
     sink_tokens : int, default 0
         Leading real tokens of each row every token policy keeps, on top of its own ``n_sink``:
         a chat template's system prefix (:func:`kvpatch.prefill` and the pipeline set it).
@@ -58,6 +68,7 @@ class CompressedDynamicCache(DynamicCache):
         decode_interval: int = 64,
         prefill_chunk_size: int | None = None,
         quantize: str | int | Quantization | None = None,
+        max_kv_tokens: int | None = None,
         sink_tokens: int = 0,
         **kwargs,
     ):
@@ -78,6 +89,7 @@ class CompressedDynamicCache(DynamicCache):
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
         self.sink_tokens = sink_tokens
+        self.max_kv_tokens = check_max_kv_tokens(max_kv_tokens, self.policy)
         #: set by ``generate`` for assisted decoding: the first forward's tokens that are the
         #: prompt, compressed alone (the candidates after them stay in the tail, to be cropped)
         self.prompt_tokens: int | None = None
@@ -105,6 +117,7 @@ class CompressedDynamicCache(DynamicCache):
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget
             view.sink_tokens, view.prompt_tokens = self.sink_tokens, self.prompt_tokens
+            view.keep_tokens = self.max_kv_tokens
         return keys, values
 
     @property

@@ -142,6 +142,36 @@ def token_part(policy: Policy) -> Policy | None:
     return None if isinstance(policy, ChannelSelector) else policy
 
 
+def check_max_kv_tokens(tokens: int | None, policy: Policy | None) -> int | None:
+    """``max_kv_tokens`` as given, or a ValueError naming what it needs."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"max_kv_tokens must be an integer >= 1, got {tokens!r}")
+    if policy is not None:
+        bounded_history_policy(policy)
+    return tokens
+
+
+def bounded_history_policy(policy: Policy) -> Policy:
+    """The token part of ``policy``, which compresses a bounded history back to its budget with
+    the newest turn's queries; a ValueError for a policy that cannot."""
+    tokens = token_part(policy)
+    if tokens is None or tokens.needs_replay:
+        reason = (
+            "it only prunes channels"
+            if tokens is None
+            else "KVzip scores by reconstructing the context"
+        )
+        name = getattr(policy, "name", "") or type(policy).__name__
+        raise ValueError(
+            f"max_kv_tokens compresses the older history with the newest turn's queries, which "
+            f"{name!r} cannot do ({reason}); use a token policy such as keydiff, snapkv or "
+            "ada-snapkv"
+        )
+    return tokens
+
+
 def token_policy_of(policy: Policy) -> Policy:
     """The part of ``policy`` that evicts tokens (what re-compression runs); raises for
     channel pruning alone."""

@@ -30,7 +30,8 @@ class PrefillView:
 
     ``policy`` is the cache's own policy, which overrides the model's; ``sink_tokens`` the
     cache's leading tokens to keep; ``prompt_tokens``, if set, how many of the forward's tokens
-    are compressed (the others, assisted decoding's candidates, stay in the tail).
+    are compressed (the others, assisted decoding's candidates, stay in the tail);
+    ``keep_tokens``, if set, how many each head keeps instead of the policy's ratio.
     """
 
     layer: CompressedLayer
@@ -38,6 +39,7 @@ class PrefillView:
     decode_budget: DecodeBudget | None = None
     sink_tokens: int = 0
     prompt_tokens: int | None = None
+    keep_tokens: int | None = None
 
 
 @dataclass
