@@ -92,22 +92,41 @@ def test_ask_many_example(real_model, capsys):
     assert printed.count("(25%)") == 2
 
 
-def test_kvpatch_chat_with_no_flags_talks_to_the_demo_model(real_model, monkeypatch, capsys):
-    """``kvpatch chat`` (the embedded model, its default policy) keeps a conversation about a
-    fact given in the first turn, on a compressed history, and shows its bytes."""
+def unpatched_replies(model, tokenizer, turns: list[str], new_tokens: int) -> list[str]:
+    """The unpatched model's greedy reply to each turn, given the whole conversation so far."""
+    from conftest import unpatched_chat_reply
+
+    messages, replies = [], []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        replies.append(unpatched_chat_reply(model, tokenizer, messages, new_tokens))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def run_kvpatch_chat(monkeypatch, capsys, turns: list[str], new_tokens: int) -> list[str]:
     import io
 
     from kvpatch import cli
 
-    turns = ["My locker code is 4417. Please remember it.", "What is my locker code?", "/stats"]
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/quit"]) + "\n"))
-    assert cli.main(["chat", "--max-new-tokens", "40"]) == 0
-    out = capsys.readouterr().out
-    replies = [line for line in out.split("\n") if line.startswith("assistant: ")]
-    assert len(replies) == 2 and all(len(r) > len("assistant: ") for r in replies)
-    assert "4417" in replies[1]
-    stats = next(line for line in out.split("\n") if line.startswith("KV cache:"))
-    assert "saved" in stats and "2 turns" in stats
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/stats", "/quit"]) + "\n"))
+    assert cli.main(["chat", "--max-new-tokens", str(new_tokens)]) == 0
+    return capsys.readouterr().out.split("\n")
+
+
+def test_kvpatch_chat_with_no_flags_talks_to_the_demo_model(real_model, monkeypatch, capsys):
+    """``kvpatch chat`` (the embedded model, its default policy and history budget) keeps a
+    short conversation whole: every reply is the unpatched model's to the conversation so far
+    (a name given in the first turn included), and ``/stats`` shows the bytes."""
+    turns = ["My name is Zorblat.", "What is my name?"]
+    out = run_kvpatch_chat(monkeypatch, capsys, turns, 24)
+    replies = [line.removeprefix("assistant: ") for line in out if line.startswith("assistant")]
+    assert [r.strip() for r in replies] == [
+        r.strip() for r in unpatched_replies(*real_model, turns, 24)
+    ]
+    assert "Zorbla" in replies[1]  # the 135M model spells it Zorblad, with or without kvpatch
+    stats = next(line for line in out if line.startswith("KV cache:"))
+    assert "(0.0% saved)" in stats and "2 turns" in stats
 
 
 def test_a_short_context_keeps_its_sinks(real_model):
@@ -161,17 +180,3 @@ def test_compress_then_ask_on_the_demo_model(real_model, tmp_path, capsys):
     for question, expected in zip(questions, in_memory, strict=True):
         assert f"Q: {question}\nA: {expected['generated_text'].strip()}\n" in out
     assert "5829" in out  # the 135M model finds this fact; the room it misses in memory too
-
-
-def test_kvpatch_chat_keeps_a_short_turn_whole(real_model, monkeypatch, capsys):
-    """``kvpatch chat`` with no flags keeps each turn whole within its history budget: a name
-    given in a short turn is still there (compressing that turn at keydiff:0.5 lost it)."""
-    import io
-
-    from kvpatch import cli
-
-    turns = ["My name is Zorblat.", "What is my name?"]
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/quit"]) + "\n"))
-    assert cli.main(["chat", "--max-new-tokens", "24"]) == 0
-    replies = [line for line in capsys.readouterr().out.split("\n") if line.startswith("assistant")]
-    assert "Zorblat" in replies[1]
