@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -20,18 +21,34 @@ def load_model(model: str, attn: str, dtype: str, accepted: str = ACCEPTED):
         return demo.load(dtype=torch_dtype, attn_implementation=attn)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_source(model, accepted)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         loaded = AutoModelForCausalLM.from_pretrained(
             model, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
         )
     except (OSError, ValueError) as error:
-        raise ValueError(
-            f"cannot load {model!r} offline ({error.__class__.__name__}): --model takes {accepted}"
-        ) from None
+        where = "is not in the Hugging Face cache (kvpatch never downloads)"
+        if Path(model).expanduser().is_dir():
+            where = f"could not be loaded ({error.__class__.__name__}: {error})"
+        raise ValueError(f"{model!r} {where}: --model takes {accepted}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return loaded.eval(), tokenizer
+
+
+def _check_source(model: str, accepted: str) -> None:
+    """A clear error for a path that is missing or holds no checkpoint; a name ("name" or
+    "org/name") is left to the lookup in the Hugging Face cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{model} holds no checkpoint (no config.json): --model takes a directory "
+                "written by save_pretrained, or 'demo'"
+            )
+    elif model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"no such directory: {model} (--model takes {accepted})")
 
 
 def add_model_options(parser: argparse.ArgumentParser, policy: str) -> None:

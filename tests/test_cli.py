@@ -97,7 +97,9 @@ def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
         (["generate", "--model", "MODEL"], "as an argument or with --prompt-file"),
         (["generate", "x", "--prompt-file", "f", "--model", "MODEL"], "one of them"),
         (["generate", "x", "--policy", "snapvk", "--model", "MODEL"], "Did you mean 'snapkv'"),
-        (["generate", "x", "--model", "/no/such/model"], "cannot load '/no/such/model' offline"),
+        (["generate", "x", "--model", "/no/such/model"], "no such directory: /no/such/model"),
+        (["generate", "x", "--model", "TMP"], "holds no checkpoint (no config.json)"),
+        (["generate", "x", "--model", "nobody/no-such-model"], "not in the Hugging Face cache"),
         (["chat", "--policy", "nonsense", "--model", "MODEL"], "unknown policy 'nonsense'"),
         (["chat", "--policy", "think:0.5", "--model", "/no/such/model"], "only prunes channels"),
         (["chat", "--policy", "kvzip:0.5", "--model", "/no/such/model"], "reconstructing"),
@@ -109,15 +111,17 @@ def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
         "no-prompt",
         "two-prompts",
         "bad-policy",
-        "unknown-model",
+        "missing-directory",
+        "directory-without-checkpoint",
+        "name-not-cached",
         "chat-bad-policy",
         "chat-channels-only",
         "chat-kvzip",
         "chat-negative-budget",
     ],
 )
-def test_bad_arguments_say_what_to_give(checkpoint, capsys, argv, says):
-    argv = [checkpoint if a == "MODEL" else a for a in argv]
+def test_bad_arguments_say_what_to_give(checkpoint, tmp_path, capsys, argv, says):
+    argv = [{"MODEL": checkpoint, "TMP": str(tmp_path)}.get(a, a) for a in argv]
     assert cli.main(argv) == 2
     assert says in capsys.readouterr().err
 
