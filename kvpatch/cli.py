@@ -175,22 +175,29 @@ def run_ask(args) -> int:
 @contextlib.contextmanager
 def _prefill_bar(model, ids: torch.Tensor):
     """A progress bar on stderr over the prompt's tokens, advanced by every forward that reads
-    more than one token (each chunk of a chunked prefill); none without tqdm."""
+    more than one token (each chunk of a chunked prefill) and closed once they are all read, so
+    that the answer streams on a line of its own; yields it (None without tqdm)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        yield
+        yield None
         return
     bar = tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr, leave=False)
 
     def advance(module, args, kwargs):
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is not None and tokens.shape[-1] > 1:
-            bar.update(tokens.shape[-1])
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        tokens = ids.shape[-1] if ids is not None else 0
+        tokens = embeds.shape[-2] if embeds is not None and ids is None else tokens
+        if bar.disable or tokens == 0:
+            return
+        # a one-token forward reads the prompt's remainder with the first new token: done
+        bar.update(min(tokens, bar.total - bar.n) if tokens > 1 else bar.total - bar.n)
+        if bar.n >= bar.total:
+            bar.close()
 
     hook = model.get_decoder().register_forward_pre_hook(advance, with_kwargs=True)
     try:
-        yield
+        yield bar
     finally:
         hook.remove()
         bar.close()

@@ -190,3 +190,32 @@ def test_eval_and_bench_subcommands(checkpoint, tmp_path, capsys):
 def test_the_console_script_is_declared():
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert scripts.get("kvpatch") == "kvpatch.cli:main"
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_the_prefill_bar_counts_the_prompt_and_closes_before_the_answer(chunk):
+    """The bar reaches the prompt's length (in one forward or chunk by chunk) and is closed by
+    the time the first decode step runs, so the streamed answer starts on a clean line."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model, ids = tiny_model(), random_prompt(50)
+    closed_at_decode = []
+    with kvpatch.enabled(model, "snapkv:0.5"), cli._prefill_bar(model, ids) as bar:
+
+        def first_step(module, args, kwargs):
+            tokens = kwargs.get("input_ids")
+            if tokens is not None and tokens.shape[-1] == 1 and not closed_at_decode:
+                closed_at_decode.append(bar.disable)  # tqdm disables a closed bar
+
+        hook = model.get_decoder().register_forward_pre_hook(first_step, with_kwargs=True)
+        cache = kvpatch.CompressedDynamicCache(config=model.config, prefill_chunk_size=chunk)
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+            pad_token_id=0, **{kvpatch.compat.cache_argument(model): cache},
+        )  # fmt: skip
+        hook.remove()
+    assert bar.n == ids.shape[1]
+    assert closed_at_decode == [True]
