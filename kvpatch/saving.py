@@ -4,7 +4,8 @@ loaded from (:func:`kvpatch.load_context`).
 The file is safetensors: the context's token ids, padding mask and last logits, and every
 layer's held tensors (a buffer's spare room is not written), with a JSON header in its metadata
 (format version, kvpatch version, policy, dtype, quantization, the model's fingerprint and a
-checksum of the tensors). Loading checks the header against the model before anything is used.
+checksum of the header and the tensors). Loading checks it against the model and the file before
+anything is used.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def save(
         "sink_tokens": cache.sink_tokens,
         "max_kv_tokens": cache.max_kv_tokens,
         "model": fingerprint(model),
-        "checksum": tensors_checksum(tensors),
         "layers": layers,
         "extra": extra,
     }
+    header["checksum"] = checksum(header, tensors)
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -97,9 +98,9 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
-    if tensors_checksum(tensors) != header["checksum"]:
+    if checksum(header, tensors) != header.get("checksum"):
         raise ValueError(
-            f"{path} is damaged: its tensors do not match the checksum it was saved with"
+            f"{path} is damaged: its header and tensors do not match the checksum it was saved with"
         )
     device = next(model.parameters()).device
     tensors = {name: t.to(device) for name, t in tensors.items()}
@@ -151,8 +152,11 @@ def fingerprint(model: torch.nn.Module) -> dict:
             "weights": weights.hexdigest()}  # fmt: skip
 
 
-def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+def checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the header (but its checksum) and of every tensor's name, shape and bytes."""
     digest = hashlib.sha256()
+    described = {k: v for k, v in header.items() if k != "checksum"}
+    digest.update(json.dumps(described, sort_keys=True).encode())
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(str(tuple(tensors[name].shape)).encode())

@@ -129,6 +129,15 @@ def test_a_damaged_file_is_refused(saved, tmp_path):
     corrupted.write_bytes(bytes(flipped))
     with pytest.raises(ValueError, match="damaged"):
         load_into(make_model("llama"), corrupted)
+    # a header that still parses, with one number changed
+    from safetensors.torch import load_file, save_file
+
+    header = saving.read_header(saved)
+    header["layers"][0]["tail_start"] += 1
+    edited = tmp_path / "edited.kvz"
+    save_file(load_file(str(saved)), str(edited), metadata={"kvpatch": json.dumps(header)})
+    with pytest.raises(ValueError, match="damaged"):
+        load_into(make_model("llama"), edited)
 
 
 def test_other_files_are_refused(saved, tmp_path):
