@@ -129,15 +129,29 @@ def decode_into(model, ids: torch.Tensor, policy: str, tokens: int, clock: TurnC
     return kvpatch.cache_nbytes(cache)
 
 
+def parser() -> argparse.ArgumentParser:
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="kvpatch bench", description=description)
+    add_model_options(parser, None, new_tokens=False)
+    parser.add_argument(
+        "--policies", nargs="+", default=["snapkv:0.75"],
+        help="the policies timed against the full cache (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--context", type=int, default=2048, help="prompt tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=32, help="tokens decoded per run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)"
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpatch bench", description=__doc__.splitlines()[0])
-    add_model_options(parser, "snapkv:0.75")
-    parser.add_argument("--policies", nargs="+", help="several policies (instead of --policy)")
-    parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    policies = args.policies or [args.policy]
+    args = parser().parse_args(argv)
+    policies = args.policies
     try:
         for policy in policies:
             kvpatch.parse_policy(policy)

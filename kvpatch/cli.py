@@ -28,16 +28,24 @@ CHAT_BUDGET = 2048
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="kvpatch", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0].replace("``", "")
+    root = argparse.ArgumentParser(prog="kvpatch", description=description)
     commands = root.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="one prompt, the answer streamed")
     generate.add_argument("prompt", nargs="?", help="the prompt (or --prompt-file)")
     generate.add_argument("--prompt-file", help="read the prompt from this file")
-    generate.add_argument("--no-chat-template", dest="chat_template", action="store_false")
-    generate.add_argument("--prefill-chunk", type=int, help="prefill in chunks of this many")
     generate.add_argument(
-        "--quantize", choices=["int8", "int4"], help="store the kept tokens as integers"
-    )
+        "--no-chat-template", dest="chat_template", action="store_false",
+        help="send the prompt as it is (default: in the model's chat template, as a user turn)",
+    )  # fmt: skip
+    generate.add_argument(
+        "--prefill-chunk", type=int,
+        help="prefill in chunks of this many tokens, compressing after each (default: at once)",
+    )  # fmt: skip
+    generate.add_argument(
+        "--quantize", choices=["int8", "int4"],
+        help="store the kept tokens as integers (default: in the model's dtype)",
+    )  # fmt: skip
     add_model_options(generate, "ada-span-snapkv:0.5")
     chat = commands.add_parser(
         "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
@@ -54,13 +62,19 @@ def parser() -> argparse.ArgumentParser:
     )
     compress.add_argument("file", help="the document, a text file")
     compress.add_argument("--out", required=True, help="the context file to write (e.g. doc.kvz)")
-    add_model_options(compress, "global-kvzip:0.75")
+    add_model_options(compress, "global-kvzip:0.75", new_tokens=False)
     ask = commands.add_parser("ask", help="answer questions from a file of `kvpatch compress`")
     ask.add_argument("context_file", help="a file written by kvpatch compress")
     ask.add_argument("questions", nargs="+", help="one or more questions")
     ask.add_argument("--model", help="the model (default: the one the file was compressed with)")
-    ask.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
-    ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.add_argument(
+        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+        help="the attention kernel (default: %(default)s)",
+    )  # fmt: skip
+    ask.add_argument(
+        "--max-new-tokens", type=int, default=256,
+        help="the most tokens generated per answer (default: %(default)s)",
+    )  # fmt: skip
     commands.add_parser("eval", help="the evaluation harness (kvpatch eval --help)", add_help=False)
     commands.add_parser(
         "bench", help="decode speed and bytes (kvpatch bench --help)", add_help=False

@@ -51,9 +51,30 @@ def _check_source(model: str, accepted: str) -> None:
         raise ValueError(f"no such directory: {model} (--model takes {accepted})")
 
 
-def add_model_options(parser: argparse.ArgumentParser, policy: str) -> None:
-    parser.add_argument("--model", default="demo", help="demo, a directory or a cached name")
-    parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")
-    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+def add_model_options(
+    parser: argparse.ArgumentParser, policy: str | None, new_tokens: bool = True
+) -> None:
+    """``--model``, ``--attn``, ``--dtype``, and ``--policy`` (default ``policy``; none if None)
+    and ``--max-new-tokens`` where the command takes one of each."""
+    parser.add_argument(
+        "--model", default="demo",
+        help="'demo' (the embedded SmolLM2-135M-Instruct), a checkpoint directory, or a model "
+        "name already in the Hugging Face cache (default: %(default)s)",
+    )  # fmt: skip
+    if policy is not None:
+        parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")
+    parser.add_argument(
+        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+        help="the attention kernel (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="the weights' dtype (default: %(default)s)",
+    )
+    if new_tokens:
+        parser.add_argument(
+            "--max-new-tokens", type=int, default=256,
+            help="the most tokens generated per answer (default: %(default)s)",
+        )  # fmt: skip

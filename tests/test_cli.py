@@ -219,3 +219,35 @@ def test_the_prefill_bar_counts_the_prompt_and_closes_before_the_answer(chunk):
         hook.remove()
     assert bar.n == ids.shape[1]
     assert closed_at_decode == [True]
+
+
+def _options(parser):
+    """Every (command, option) of a parser and its subcommands."""
+    import argparse
+
+    from kvpatch import bench
+
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(name, a) for a in sub._actions]
+    found += [("bench", a) for a in bench.parser()._actions]
+    return [(name, a) for name, a in found if a.option_strings and a.dest != "help"]
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    for command, action in _options(cli.parser()):
+        flag = action.option_strings[0]
+        assert action.help, f"kvpatch {command} {flag} has no help text"
+        if action.default not in (None, False, True) and not action.required:
+            assert "default" in action.help, f"kvpatch {command} {flag} does not state its default"
+    assert "``" not in cli.parser().format_help()
+
+
+def test_bench_takes_one_flag_per_setting():
+    from kvpatch import bench
+
+    flags = {a.option_strings[0] for a in bench.parser()._actions if a.option_strings}
+    assert "--policy" not in flags and "--max-new-tokens" not in flags
+    assert {"--policies", "--tokens"} <= flags
