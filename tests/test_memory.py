@@ -114,3 +114,26 @@ def test_layers_waiting_for_shared_budgets_hold_scores_not_queries(policy):
             inputs = layer.deferred.inputs
             assert inputs.queries.shape[2] == 64
             assert inputs.scores.shape == (1, config.num_key_value_heads, 300)
+
+
+def test_sliding_layers_hold_only_their_window_after_the_prefill():
+    """Stock sliding-window layers keep a view of the whole prefill until the first decode step;
+    a compressed cache's copy their window out, so the prefill's storage is freed at once."""
+    from transformers import DynamicCache
+
+    from kvpatch.cache.stats import layer_stats
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model, ids = tiny_model("gemma3"), random_prompt(400)
+    window = model.config.sliding_window
+    caches = {"stock": DynamicCache(config=model.config)}
+    caches["kvpatch"] = kvpatch.CompressedDynamicCache(config=model.config)
+    with kvpatch.enabled(model, "snapkv:0.5"):
+        for cache in caches.values():
+            model(ids, **{kvpatch.compat.cache_argument(model): cache})
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+    sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+    for index in sliding:
+        held = layer_stats(caches["kvpatch"].layers[index]).nbytes
+        stock = layer_stats(caches["stock"].layers[index]).nbytes
+        assert held <= window * per_token < stock

@@ -113,6 +113,8 @@ class CompressedDynamicCache(DynamicCache):
         if deferred and layer.replay is None and not layer.deferred.policy.needs_replay:
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not isinstance(self.layers[layer_idx], CompressedLayer):
+            _keep_own_storage(self.layers[layer_idx])
         view = view_of(keys)
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget
@@ -159,3 +161,14 @@ class CompressedDynamicCache(DynamicCache):
             layer.physical_lengths() if isinstance(layer, CompressedLayer) else None
             for layer in self.layers
         ]
+
+
+def _keep_own_storage(layer) -> None:
+    """A sliding-window layer keeps a view of the whole prefill it was given (the last window of
+    it): copy the window out, so that the prefill's storage is freed once attention is done."""
+    for name in ("keys", "values"):
+        held = getattr(layer, name, None)
+        if held is not None and held.numel():
+            stored = held.untyped_storage().nbytes()
+            if stored > 2 * held.numel() * held.element_size():
+                setattr(layer, name, held.clone())
