@@ -140,8 +140,9 @@ def _held_per_head(layer: CompressedLayer) -> float:
 
 def _with_newest(window: torch.Tensor | None, inputs: LayerInputs, newest: int) -> torch.Tensor:
     """``window`` (or nothing) and the last ``newest`` of ``inputs``' tokens: always kept."""
-    keep = torch.zeros(inputs.keys.shape[0], inputs.num_tokens, dtype=torch.bool)
-    keep = keep.to(inputs.keys.device)
+    keep = torch.zeros(
+        inputs.keys.shape[0], inputs.num_tokens, dtype=torch.bool, device=inputs.keys.device
+    )
     keep[:, inputs.num_tokens - newest :] = True
     return keep if window is None else keep | window
 

@@ -2,9 +2,9 @@
 
 The padded view (:meth:`~kvpatch.cache.store.CompressedStore.dense`) lets any stock kernel run,
 but builds a ``[batch, kv_heads, longest head, head_dim]`` copy of the packed tokens at every step
-and attends over the longest head's length in every head. On the CPU, where a few more small
-operations cost little next to that copy, attention here reads each (batch row, KV head)'s
-packed tokens where they lie, and its full-width tail as one batch:
+and attends over the longest head's length in every head. On the CPU and on CUDA (see
+:data:`DEVICES`), attention here reads each (batch row, KV head)'s packed tokens where they lie,
+and its full-width tail as one batch:
 
 - keys with pruned channels meet the query's matching channels (the query is pruned, not the
   key widened);
