@@ -25,8 +25,12 @@ from kvpatch.compat import rotary_function
 
 FORMAT = "kvpatch-context"
 FORMAT_VERSION = 1
-#: config entries that name where or how a model was loaded, not what it computes
-_CONFIG_NOISE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures"}
+#: config entries that name where or how a model was loaded, or what a call returns, not what it
+#: computes (private entries, starting with "_", are left out too)
+_CONFIG_NOISE = {
+    "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states",
+}  # fmt: skip
 
 
 def save(
@@ -142,8 +146,11 @@ def _check_model(header: dict, model: torch.nn.Module, path) -> None:
 def fingerprint(model: torch.nn.Module) -> dict:
     """What identifies a model's computation: its config (without where it was loaded from) and
     a SHA-256 of its parameters."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_NOISE}
-    config = {k: v for k, v in config.items() if not k.startswith("_attn_implementation")}
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in _CONFIG_NOISE and not k.startswith("_")
+    }
     weights = hashlib.sha256()
     for name, parameter in model.named_parameters():
         weights.update(name.encode())

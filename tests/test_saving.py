@@ -160,3 +160,9 @@ def test_every_policy_is_written_and_read_back(name):
     policy = kvpatch.parse_policy(f"{name}:0.5")
     data = json.loads(json.dumps(saving.encode_policy(policy)))
     assert saving.decode_policy(data) == policy
+
+
+def test_flags_of_a_call_are_not_part_of_the_fingerprint(saved):
+    model = make_model("llama")
+    model.config.output_hidden_states, model.config.use_cache = True, False
+    load_into(model, saved)  # the same computation: accepted
