@@ -72,8 +72,7 @@ class ChatSession:
         **generate_kwargs,
     ):
         self.model, self.tokenizer = model, tokenizer
-        check_max_kv_tokens(max_kv_tokens, None)
-        self.max_kv_tokens = max_kv_tokens
+        self.max_kv_tokens = max_kv_tokens  # checked with the policy by set_policy
         self.generate_kwargs = {"max_new_tokens": 256, "do_sample": False, **generate_kwargs}
         if self.generate_kwargs.get("pad_token_id") is None:
             self.generate_kwargs["pad_token_id"] = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -88,6 +87,7 @@ class ChatSession:
     def set_policy(self, policy: str | Policy | None) -> None:
         """Compress with ``policy`` from now on; the history so far is prefilled again with it."""
         if policy is None and is_enabled(self.model):
+            check_max_kv_tokens(self.max_kv_tokens, self.policy)
             return
         if policy is None:
             raise ValueError("ChatSession needs a policy (e.g. 'keydiff:0.5') or an enabled model")

@@ -18,10 +18,16 @@ import argparse
 import contextlib
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kvpatch.loading import add_model_options, load_model
+from kvpatch.loading import (
+    add_attention_option,
+    add_model_options,
+    add_new_tokens_option,
+    load_model,
+)
 
 #: ``kvpatch chat``'s history bound, tokens per head
 CHAT_BUDGET = 2048
@@ -67,14 +73,8 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("context_file", help="a file written by kvpatch compress")
     ask.add_argument("questions", nargs="+", help="one or more questions")
     ask.add_argument("--model", help="the model (default: the one the file was compressed with)")
-    ask.add_argument(
-        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
-        help="the attention kernel (default: %(default)s)",
-    )  # fmt: skip
-    ask.add_argument(
-        "--max-new-tokens", type=int, default=256,
-        help="the most tokens generated per answer (default: %(default)s)",
-    )  # fmt: skip
+    add_attention_option(ask)
+    add_new_tokens_option(ask)
     commands.add_parser("eval", help="the evaluation harness (kvpatch eval --help)", add_help=False)
     commands.add_parser(
         "bench", help="decode speed and bytes (kvpatch bench --help)", add_help=False
@@ -94,8 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
     try:
-        commands = {"generate": run_generate, "chat": run_chat}
-        run = {**commands, "compress": run_compress, "ask": run_ask}[args.command]
+        runs = {
+            "generate": run_generate,
+            "chat": run_chat,
+            "compress": run_compress,
+            "ask": run_ask,
+        }
+        run = runs[args.command]
         return run(args)
     except (ValueError, OSError) as error:  # a missing or unreadable file too
         print(f"kvpatch {args.command}: error: {error}", file=sys.stderr)
@@ -145,8 +150,6 @@ def run_generate(args) -> int:
 
 def run_compress(args) -> int:
     """Prefill the document as the pipeline would put it before a question, compress it, save it."""
-    import os
-
     import kvpatch
     from kvpatch.pipeline import context_text
 
@@ -161,7 +164,7 @@ def run_compress(args) -> int:
     with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):
         context = kvpatch.prefill(model, ids.to(model.device), tokenizer=tokenizer)
     context.save(args.out, model=args.model)
-    size = os.path.getsize(args.out)
+    size = Path(args.out).stat().st_size
     print(f"{ids.shape[1]} tokens, {context.cache.stats()}", file=sys.stderr)
     print(f"wrote {args.out} ({size / 2**20:.2f} MiB)", file=sys.stderr)
     return 0

@@ -121,7 +121,7 @@ def append_within_budget(
     the last token."""
     logits, layers = forward_appended(model, cache, input_ids, attention_mask, start)
     budget, newest = cache.max_kv_tokens, input_ids.shape[1] - start
-    if layers and any(_held_per_head(layer) > budget for layer in layers):
+    if layers and any(layer.store.held_per_head() > budget for layer in layers):
         tokens = bounded_history_policy(layers[0].policy)
         inputs = [layer.held_inputs(max(budget, newest)) for layer in layers]
         windows = _windows(layers, inputs)
@@ -132,10 +132,6 @@ def append_within_budget(
     for layer in layers:
         layer.segment_queries = None
     return logits
-
-
-def _held_per_head(layer: CompressedLayer) -> float:
-    return float(layer.physical_lengths().float().mean(-1).max())
 
 
 def _with_newest(window: torch.Tensor | None, inputs: LayerInputs, newest: int) -> torch.Tensor:

@@ -63,10 +63,7 @@ def add_model_options(
     )  # fmt: skip
     if policy is not None:
         parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")
-    parser.add_argument(
-        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
-        help="the attention kernel (default: %(default)s)",
-    )  # fmt: skip
+    add_attention_option(parser)
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -74,7 +71,18 @@ def add_model_options(
         help="the weights' dtype (default: %(default)s)",
     )
     if new_tokens:
-        parser.add_argument(
-            "--max-new-tokens", type=int, default=256,
-            help="the most tokens generated per answer (default: %(default)s)",
-        )  # fmt: skip
+        add_new_tokens_option(parser)
+
+
+def add_attention_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+        help="the attention kernel (default: %(default)s)",
+    )  # fmt: skip
+
+
+def add_new_tokens_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256,
+        help="the most tokens generated per answer (default: %(default)s)",
+    )  # fmt: skip

@@ -7,6 +7,8 @@ appending here copies the new token only, and the buffer is re-allocated once ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 CHUNK = 32  # small caches grow often but cheaply; large ones by an eighth
@@ -42,15 +44,15 @@ class GrowingBuffer:
     def view(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
-    def append(self, states: torch.Tensor, max_capacity: int | None = None) -> None:
+    def append(self, states: torch.Tensor, max_capacity: Callable[[], int] | None = None) -> None:
         """Copy ``states`` after the held positions; a re-allocation leaves spare room, but holds
-        no more than ``max_capacity`` positions (unless the held ones need more)."""
+        no more than ``max_capacity()`` positions (asked then only; unless the held ones need
+        more)."""
         end = self.length + states.shape[2]
         if end > self.data.shape[2]:
-            spare = max(CHUNK, end // 8) if self.reserve is None else self.reserve
-            capacity = (
-                end + spare if max_capacity is None else max(end, min(end + spare, max_capacity))
-            )
+            capacity = end + (max(CHUNK, end // 8) if self.reserve is None else self.reserve)
+            if max_capacity is not None:
+                capacity = max(end, min(capacity, max_capacity()))
             grown = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[3])
             grown[:, :, : self.length] = self.view()
             self.data = grown

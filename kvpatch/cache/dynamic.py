@@ -113,8 +113,8 @@ class CompressedDynamicCache(DynamicCache):
         if deferred and layer.replay is None and not layer.deferred.policy.needs_replay:
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if not isinstance(self.layers[layer_idx], CompressedLayer):
-            _keep_own_storage(self.layers[layer_idx])
+        if key_states.shape[-2] > 1 and not isinstance(self.layers[layer_idx], CompressedLayer):
+            _keep_own_storage(self.layers[layer_idx])  # a prefill or chunk: not each decode step
         view = view_of(keys)
         if isinstance(view, PrefillView):
             view.policy, view.decode_budget = self.policy, self.decode_budget

@@ -229,8 +229,7 @@ def over_decode_budget(store: CompressedStore, budget: DecodeBudget | None) -> b
     if budget is None:
         return False
     # average over heads: head-wise budgets (AdaKV) share the layer's total unevenly
-    per_head = store.packed.lengths.float().mean(-1).max() + store.tail_length
-    return bool(per_head >= budget.tokens + budget.interval)
+    return store.held_per_head() >= budget.tokens + budget.interval
 
 
 def compress_to_budget(

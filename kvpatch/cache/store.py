@@ -109,6 +109,10 @@ class CompressedStore:
         """Tokens held per (batch row, KV head)."""
         return self.packed.lengths + self.tail_length
 
+    def held_per_head(self) -> float:
+        """Tokens a head holds on average, in the batch row holding most."""
+        return float(self.packed.lengths.float().mean(-1).max()) + self.tail_length
+
     def kept_mask(self) -> torch.Tensor:
         """Bool ``[batch, kv_heads, end]``: which logical positions each head holds."""
         mask = self.packed.kept_mask(self.end)
@@ -118,7 +122,7 @@ class CompressedStore:
     # -- changes -------------------------------------------------------------------------------
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        limit = self._capacity_limit(keys.shape[-2])
+        limit = lambda: self._capacity_limit(keys.shape[-2])  # read only when a buffer grows
         self.keys.append(keys, limit)
         self.values.append(values, limit)
         valid = self.tail_valid.new_ones(keys.shape[0], keys.shape[-2])
