@@ -22,6 +22,7 @@ import torch
 
 from kvpatch import checks, compat, saving
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
+from kvpatch.cache.shared_context import can_share, share_context
 from kvpatch.feed import (
     append_within_budget,
     compress_appended,
@@ -107,6 +108,89 @@ class CompressedContext:
         output = self.model.generate(ids, attention_mask=mask, **cache_kwarg, **generate_kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         return sequences[:, ids.shape[-1] :]
+
+    def generate_many(self, questions, **generate_kwargs) -> list[torch.Tensor]:
+        """Answer every question of ``questions`` (1-D token id tensors, of any lengths) in one
+        batched ``generate``; returns, for each, what :meth:`generate` returns for it alone
+        (cut after its end-of-sequence token).
+
+        The compressed context is stored once: every batch row reads it in place and appends its
+        question and answer to a tail of its own (on the CPU and CUDA with sdpa; other backends
+        read a per-row padded copy of it at each step). A context of several batch rows, or one
+        whose cache has a decode budget, answers one question after another instead.
+        """
+        questions = [self._question(q, i) for i, q in enumerate(questions)]
+        if not questions:
+            return []
+        if self.input_ids.shape[0] != 1:
+            raise ValueError(
+                f"generate_many answers questions about a context of one batch row; this one "
+                f"has {self.input_ids.shape[0]}: call generate with a question per row instead"
+            )
+        if not can_share(self.cache):
+            return [self.generate(q, **generate_kwargs) for q in questions]
+        ids, mask = self._question_batch(questions, _pad_id(self.model, generate_kwargs))
+        cache = share_context(self.cache, len(questions))
+        expand_for_generate(self.model, cache, generate_kwargs)
+        cache_kwarg = {compat.cache_argument(self.model): cache}
+        output = self.model.generate(ids, attention_mask=mask, **cache_kwarg, **generate_kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        answers = sequences[:, ids.shape[-1] :].chunk(len(questions))
+        ends = _end_ids(self.model, generate_kwargs)
+        return [_cut_after_end(answer, ends) for answer in answers]
+
+    def _question(self, question: torch.Tensor, index: int) -> torch.Tensor:
+        ids, _ = checks.token_batch(question, name=f"question {index}")
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"question {index} must be the token ids of one question (1-D), got shape "
+                f"{tuple(question.shape)}"
+            )
+        return ids[0].to(self.input_ids.device)
+
+    def _question_batch(self, questions: list[torch.Tensor], pad_id: int):
+        """``[questions, context + longest question]`` ids and mask: the context, then each
+        question left-padded to the longest (the padding is masked; positions count real
+        tokens, so every question starts right after the context)."""
+        longest = max(len(q) for q in questions)
+        n = len(questions)
+        ids = self.input_ids.new_full((n, longest), pad_id)
+        mask = self.attention_mask.new_zeros(n, longest)
+        for row, question in enumerate(questions):
+            ids[row, longest - len(question) :] = question
+            mask[row, longest - len(question) :] = 1
+        context_ids = self.input_ids.expand(n, -1)
+        context_mask = self.attention_mask.expand(n, -1)
+        return torch.cat([context_ids, ids], dim=-1), torch.cat([context_mask, mask], dim=-1)
+
+
+def _pad_id(model: torch.nn.Module, generate_kwargs: dict) -> int:
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    for candidate in (generate_kwargs.get("pad_token_id"), config.pad_token_id):
+        if candidate is not None:
+            return int(candidate)
+    ends = _end_ids(model, generate_kwargs)
+    return min(ends) if ends else 0
+
+
+def _end_ids(model: torch.nn.Module, generate_kwargs: dict) -> set[int]:
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    ends = generate_kwargs.get("eos_token_id", config.eos_token_id)
+    if ends is None:
+        return set()
+    if isinstance(ends, torch.Tensor):
+        return set(ends.flatten().tolist())
+    return {int(ends)} if isinstance(ends, int) else {int(e) for e in ends}
+
+
+def _cut_after_end(answers: torch.Tensor, ends: set[int]) -> torch.Tensor:
+    """``answers`` ``[rows, tokens]`` (one question's returned sequences) up to the step where
+    its last row produced an end-of-sequence token, as ``generate`` alone would stop."""
+    if not ends or answers.shape[-1] == 0:
+        return answers
+    is_end = torch.isin(answers, torch.tensor(sorted(ends), device=answers.device))
+    steps = torch.where(is_end.any(-1), is_end.int().argmax(-1) + 1, answers.shape[-1])
+    return answers[:, : int(steps.max())]
 
 
 def prefill(

@@ -23,7 +23,8 @@ from math import inf
 
 import torch
 
-from kvpatch.cache.packed import gather_channels
+from kvpatch.cache.packed import PackedKV, gather_channels
+from kvpatch.cache.shared_context import SharedContextStore
 from kvpatch.cache.store import CompressedStore
 
 #: devices whose decode steps read packed storage directly; elsewhere the padded view serves.
@@ -71,7 +72,7 @@ def tail_visibility(
 
 
 def attend(
-    store: CompressedStore,
+    store: CompressedStore | SharedContextStore,
     query: torch.Tensor,
     tail_visible: torch.Tensor | None,
     scaling: float,
@@ -80,50 +81,111 @@ def attend(
     holds; ``tail_visible`` (bool, broadcastable to ``[batch, q_heads, q_len, tail]``, or None for
     all visible) says which tail tokens each query sees. Returns ``[batch, q_len, q_heads,
     value_dim]``, as transformers' attention functions do."""
+    if isinstance(store, SharedContextStore):
+        return _attend_shared(store, query, tail_visible, scaling)
     packed = store.packed
     tail_keys, tail_values = store.tail()
-    batch, kv_heads = packed.lengths.shape
-    q_heads, q_len = query.shape[1], query.shape[2]
-    group = q_heads // kv_heads
-    rows = group * q_len  # the queries of one KV head, (query head, position) major
-    grouped = (query * scaling).reshape(batch, kv_heads, rows, query.shape[-1])
+    kv_heads = packed.lengths.shape[1]
+    grouped = _grouped(query, scaling, kv_heads)
     tail_scores = grouped @ tail_keys.transpose(-1, -2)
     if tail_visible is not None:
+        rows = grouped.shape[2]
         tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
-    packed_queries = gather_channels(grouped, packed.channels)  # those the kept keys have
-    attend_packed = _attend_uniform if packed.is_uniform else _attend_segments
-    output = attend_packed(packed, packed_queries, tail_scores, tail_values, query.dtype)
-    output = output.view(batch, kv_heads, group, q_len, -1).reshape(batch, q_heads, q_len, -1)
+    held = _held(packed)
+    packed_scores = _packed_scores(packed, held, grouped)
+    weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), query.dtype)
+    length = packed.max_length
+    output = _packed_output(packed, held, weights[..., :length])
+    output = output.add_(weights[..., length:] @ tail_values)
+    return _ungrouped(output, query)
+
+
+def _attend_shared(
+    store: SharedContextStore,
+    query: torch.Tensor,
+    rows_visible: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`attend` for batch rows sharing one context: each KV head's context part (packed
+    tokens and the context's own tail, one batch row) is read once for every row's queries, and
+    one softmax per query spans it and the query row's own tail."""
+    context = store.context
+    # [1, kv_heads, tokens, dim]: the context's tail, after its packed tokens if stored dense
+    context_keys, context_values = context.keys.view(), context.values.view()
+    row_keys, row_values = store.tail()
+    batch, kv_heads = row_keys.shape[:2]
+    grouped = _grouped(query, scaling, kv_heads)  # [batch, kv_heads, rows, dim]
+    rows = grouped.shape[2]
+    together = grouped.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
+    packed = context.packed
+    length = packed.max_length if packed.keys is not None else 0  # else all in the tail
+    held = _held(packed) if length else None
+    context_scores = together @ context_keys.transpose(-1, -2)
+    if length:
+        packed_scores = _packed_scores(packed, held, together)
+        context_scores = torch.cat([packed_scores, context_scores], dim=-1)
+    width = context_scores.shape[-1]
+    per_row = context_scores.view(kv_heads, batch, rows, width).transpose(0, 1)
+    row_scores = grouped @ row_keys.transpose(-1, -2)
+    if rows_visible is not None:
+        row_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
+    weights = _softmax(torch.cat([per_row, row_scores], dim=-1), query.dtype)
+    shared = weights[..., :width].transpose(0, 1).reshape(1, kv_heads, batch * rows, width)
+    output = shared[..., length:] @ context_values
+    if length:
+        output = output.add_(_packed_output(packed, held, shared[..., :length]))
+    output = output.view(kv_heads, batch, rows, -1).transpose(0, 1)
+    return _ungrouped(output + weights[..., width:] @ row_values, query)
+
+
+def _grouped(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Tensor:
+    """The scaled queries of each KV head, ``[batch, kv_heads, group * q_len, head_dim]``
+    (query head, then position, major)."""
+    batch, q_heads, q_len, dim = query.shape
+    return (query * scaling).reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim)
+
+
+def _ungrouped(output: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, rows, value_dim]`` as ``[batch, q_len, q_heads, value_dim]``."""
+    batch, q_heads, q_len, _ = query.shape
+    output = output.reshape(batch, q_heads, q_len, output.shape[-1])
     return output.transpose(1, 2).contiguous()
 
 
-def _attend_uniform(packed, queries, tail_scores, tail_values, dtype) -> torch.Tensor:
-    """Heads of one length: every product batched."""
-    keys, values = packed.rows()
+def _held(packed: PackedKV):
+    """The packed keys and values as the two functions below read them: ``(keys, values)``
+    rows of uniform heads, else each (batch row, KV head)'s views (decoded once per step if
+    quantized)."""
+    return packed.rows() if packed.is_uniform else packed.segment_views()
+
+
+def _packed_scores(packed: PackedKV, held, queries: torch.Tensor) -> torch.Tensor:
+    """Scores ``[batch, kv_heads, rows, max_length]`` of the grouped ``queries`` (at full width:
+    pruned here to the channels each head kept) against the packed keys; -inf after the end of
+    a shorter head."""
+    queries = gather_channels(queries, packed.channels)
     b, h = packed.lengths.shape
     length = packed.max_length
-    keys = keys.view(b, h, length, keys.shape[-1])  # explicit widths: a view of no elements
-    values = values.view(b, h, length, values.shape[-1])  # infers none
-    packed_scores = queries @ keys.transpose(-1, -2)
-    weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), dtype)
-    output = _widen(weights[..., :length] @ values, packed.value_channels, packed)
-    return output.add_(weights[..., length:] @ tail_values)
-
-
-def _attend_segments(packed, queries, tail_scores, tail_values, dtype) -> torch.Tensor:
-    """Heads of different lengths: one product per (batch row, KV head) for its packed tokens,
-    one softmax over every head (each head's packed scores first, -inf up to the longest)."""
-    b, h, rows, tail = tail_scores.shape
-    length = packed.max_length
-    scores = tail_scores.new_full((b, h, rows, length + tail), -inf)
-    scores[..., length:] = tail_scores
-    segments = packed.segment_views()
-    for segment, (keys, _) in enumerate(segments):
+    if packed.is_uniform:
+        # explicit widths: a view of no elements infers none
+        keys = held[0].view(b, h, length, held[0].shape[-1])
+        return queries @ keys.transpose(-1, -2)
+    scores = queries.new_full((b, h, queries.shape[2], length), -inf)
+    for segment, (keys, _) in enumerate(held):
         row, head = divmod(segment, h)
         scores[row, head, :, : keys.shape[0]] = queries[row, head] @ keys.T
-    weights = _softmax(scores, dtype)
-    output = weights[..., length:] @ tail_values
-    for segment, (keys, values) in enumerate(segments):
+    return scores
+
+
+def _packed_output(packed: PackedKV, held, weights: torch.Tensor) -> torch.Tensor:
+    """The packed values weighted by ``weights`` ``[batch, kv_heads, rows, max_length]``, at
+    full value width (zeros in pruned channels)."""
+    b, h = packed.lengths.shape
+    if packed.is_uniform:
+        values = held[1].view(b, h, packed.max_length, held[1].shape[-1])
+        return _widen(weights @ values, packed.value_channels, packed)
+    output = weights.new_zeros(b, h, weights.shape[2], packed.value_dim)
+    for segment, (keys, values) in enumerate(held):
         row, head = divmod(segment, h)
         kept = weights[row, head, :, : keys.shape[0]] @ values
         if packed.value_channels is None:

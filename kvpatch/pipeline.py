@@ -9,8 +9,9 @@
   'ratio': 0.74}, ...]
 
 The context goes into the chat template's user turn, before the question: everything up to the
-question is prefilled and compressed once (:func:`kvpatch.prefill`), and each question (with the
-template's end of turn and the assistant's prefix) is answered from a copy of that cache. A model
+question is prefilled and compressed once (:func:`kvpatch.prefill`), and the questions (each
+with the template's end of turn and the assistant's prefix) are answered together, in one batch
+that reads that cache in place (:meth:`~kvpatch.CompressedContext.generate_many`). A model
 already enabled keeps its state; one that is not is enabled for the call and disabled after.
 
 ``context=`` also takes a context compressed earlier: a :class:`~kvpatch.CompressedContext` of
@@ -111,10 +112,8 @@ class CompressedQAPipeline(Pipeline):
             if not isinstance(context, CompressedContext):
                 ids = context.to(model.device)
                 context = prefill(model, ids, policy=policy, tokenizer=self.tokenizer)
-            answers = [
-                context.generate(q.to(model.device), **options)
-                for q in model_inputs["question_ids"]
-            ]
+            questions = [q[0].to(model.device) for q in model_inputs["question_ids"]]
+            answers = context.generate_many(questions, **options)
         stats = context.cache.stats()
         return {"answers": answers, "questions": model_inputs["questions"], "stats": stats}
 
