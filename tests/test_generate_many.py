@@ -198,6 +198,19 @@ def test_answers_stop_where_the_question_alone_stops():
         assert torch.equal(one, batched)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(output_attentions=True, return_dict_in_generate=True),  # the padded view's weights
+        dict(prompt_lookup_num_tokens=3),  # assisted: one question after another
+    ],
+)
+def test_other_generate_settings_answer_alike(settings):
+    _, _, alone, together = answer_alone_and_together("think:0.5+ada-snapkv:0.6", **settings)
+    for one, batched in zip(alone, together, strict=True):
+        assert torch.equal(one, batched)
+
+
 def test_a_decode_budget_answers_one_question_after_another():
     model = make_model("llama")
     asked = questions(lengths=(4, 7))

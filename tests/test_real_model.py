@@ -89,6 +89,7 @@ def test_ask_many_example(real_model, capsys):
     runpy.run_path(str(script), run_name="example")["main"](["--context-tokens", "1000"])
     printed = capsys.readouterr().out
     assert printed.count("expected") == 4
+    assert printed.count("(right)") + printed.count("(wrong)") == 8  # compressed and full
     assert printed.count("(25%)") == 2
 
 
