@@ -103,12 +103,7 @@ class CompressedContext:
         question_ids = self._as_batch(question_ids, "question_ids")
         ids = torch.cat([self.input_ids, question_ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question_ids)], dim=-1)
-        cache = self.copy_cache()
-        expand_for_generate(self.model, cache, generate_kwargs)  # beams, returned sequences
-        cache_kwarg = {compat.cache_argument(self.model): cache}
-        output = self.model.generate(ids, attention_mask=mask, **cache_kwarg, **generate_kwargs)
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        return sequences[:, ids.shape[-1] :]
+        return self._generate_into(self.copy_cache(), ids, mask, generate_kwargs)
 
     def generate_many(self, questions, **generate_kwargs) -> list[torch.Tensor]:
         """Answer every question of ``questions`` (1-D token id tensors, of any lengths) in one
@@ -118,8 +113,8 @@ class CompressedContext:
         The compressed context is stored once: every batch row reads it in place and appends its
         question and answer to a tail of its own (on the CPU and CUDA with sdpa; other backends
         read a per-row padded copy of it at each step). A context whose cache has a decode
-        budget, and assisted decoding (which transformers runs on one batch row), answer one
-        question after another instead.
+        budget, assisted decoding and streaming (which transformers runs on one batch row)
+        answer one question after another instead.
         """
         questions = [self._question(q, i) for i, q in enumerate(questions)]
         if not questions:
@@ -129,17 +124,22 @@ class CompressedContext:
                 f"generate_many answers questions about a context of one batch row; this one "
                 f"has {self.input_ids.shape[0]}: call generate with a question per row instead"
             )
-        if not can_share(self.cache) or _assisted(self.model, generate_kwargs):
+        if not can_share(self.cache) or _one_row_only(self.model, generate_kwargs):
             return [self.generate(q, **generate_kwargs) for q in questions]
         ids, mask = self._question_batch(questions, _pad_id(self.model, generate_kwargs))
         cache = share_context(self.cache, len(questions))
-        expand_for_generate(self.model, cache, generate_kwargs)
+        answers = self._generate_into(cache, ids, mask, generate_kwargs).chunk(len(questions))
+        ends = _end_ids(self.model, generate_kwargs)
+        return [_cut_after_end(answer, ends) for answer in answers]
+
+    def _generate_into(self, cache, ids, mask, generate_kwargs: dict) -> torch.Tensor:
+        """``model.generate`` on ``ids`` continuing ``cache`` (which holds this context); the
+        generated tokens only."""
+        expand_for_generate(self.model, cache, generate_kwargs)  # beams, returned sequences
         cache_kwarg = {compat.cache_argument(self.model): cache}
         output = self.model.generate(ids, attention_mask=mask, **cache_kwarg, **generate_kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        answers = sequences[:, ids.shape[-1] :].chunk(len(questions))
-        ends = _end_ids(self.model, generate_kwargs)
-        return [_cut_after_end(answer, ends) for answer in answers]
+        return sequences[:, ids.shape[-1] :]
 
     def _question(self, question: torch.Tensor, index: int) -> torch.Tensor:
         ids, _ = checks.token_batch(question, name=f"question {index}")
@@ -166,10 +166,13 @@ class CompressedContext:
         return torch.cat([context_ids, ids], dim=-1), torch.cat([context_mask, mask], dim=-1)
 
 
-def _assisted(model: torch.nn.Module, generate_kwargs: dict) -> bool:
+def _one_row_only(model: torch.nn.Module, generate_kwargs: dict) -> bool:
+    """Whether ``generate`` refuses a batch of several rows with these settings: assisted
+    decoding, a streamer."""
     config = generate_kwargs.get("generation_config") or model.generation_config
     settings = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-    return any(generate_kwargs.get(name) or getattr(config, name, None) for name in settings)
+    assisted = any(generate_kwargs.get(name) or getattr(config, name, None) for name in settings)
+    return assisted or generate_kwargs.get("streamer") is not None
 
 
 def _pad_id(model: torch.nn.Module, generate_kwargs: dict) -> int:

@@ -30,6 +30,19 @@ def questions(lengths=LENGTHS, seed: int = 11) -> list[torch.Tensor]:
     return [torch.randint(3, 120, (n,), generator=generator) for n in lengths]
 
 
+class Collected:
+    """A streamer that keeps what it is given (transformers streams one batch row only)."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value)
+
+    def end(self):
+        pass
+
+
 def answer_alone_and_together(policy: str, **generate_kwargs):
     model = make_model("llama")
     asked = questions()
@@ -203,6 +216,7 @@ def test_answers_stop_where_the_question_alone_stops():
     [
         dict(output_attentions=True, return_dict_in_generate=True),  # the padded view's weights
         dict(prompt_lookup_num_tokens=3),  # assisted: one question after another
+        dict(streamer=Collected()),  # streamed: one question after another
     ],
 )
 def test_other_generate_settings_answer_alike(settings):
