@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 import kvpatch
+from kvpatch.demo import DemoModelUnavailable
 from kvpatch.loading import add_model_options, load_model
 
 FULL = "full"
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies:
             kvpatch.parse_policy(policy)
         model, _ = load_model(args.model, args.attn, args.dtype)
-    except ValueError as error:
+    except (ValueError, DemoModelUnavailable) as error:  # the latter says how to fetch it
         print(f"kvpatch bench: error: {error}", file=sys.stderr)
         return 2
     vocab = model.config.vocab_size

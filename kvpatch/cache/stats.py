@@ -28,6 +28,8 @@ class LayerStats:
     kv_nbytes : the part of ``nbytes`` that is keys and values (spare capacity included); never
         more than ``full_nbytes``. The rest is the index: which positions are held, pruned
         channels, padding, and a decode budget's last queries.
+    sliding : whether the layer is a sliding window (Gemma's, Mistral's): it holds its last
+        window, uncompressed, so it saves nothing on ``full_nbytes``.
     """
 
     compressed: bool
@@ -37,6 +39,7 @@ class LayerStats:
     nbytes: int
     full_nbytes: int
     kv_nbytes: int = 0
+    sliding: bool = False
 
     def kept_positions(self, row: int, head: int) -> torch.Tensor:
         """Logical positions held by one (batch row, KV head), in order."""
@@ -72,12 +75,33 @@ class CacheStats:
         negative); the index is reported beside it (:attr:`index_nbytes`)."""
         return 1.0 - self.kv_nbytes / self.full_nbytes if self.full_nbytes else 0.0
 
+    @property
+    def full_attention(self) -> CacheStats:
+        """The full-attention layers alone: where a policy's saving is."""
+        return CacheStats([layer for layer in self.layers if not layer.sliding])
+
+    @property
+    def sliding_window(self) -> CacheStats:
+        """The sliding-window layers alone: each holds its last window, uncompressed (its
+        ``nbytes`` is its ``full_nbytes``)."""
+        return CacheStats([layer for layer in self.layers if layer.sliding])
+
     def __str__(self) -> str:
         mib = 2**20
-        return (
+        text = (
             f"KV cache: {self.nbytes / mib:.2f} MiB held ({self.index_nbytes / 2**10:.1f} KiB of "
             f"it positions and indices), {self.full_nbytes / mib:.2f} MiB uncompressed "
             f"({self.ratio:.1%} saved)"
+        )
+        sliding = self.sliding_window
+        if not sliding.layers:
+            return text
+        # a mixed model (Gemma): how much of what is held the policy could act on at all
+        full = self.full_attention
+        return (
+            f"{text}; full-attention layers {full.nbytes / mib:.2f} of "
+            f"{full.full_nbytes / mib:.2f} MiB ({full.ratio:.1%} saved), sliding-window layers "
+            f"{sliding.nbytes / mib:.2f} MiB (their windows)"
         )
 
 
@@ -85,12 +109,18 @@ def layer_stats(layer) -> LayerStats:
     if isinstance(layer, CompressedLayer):
         return _compressed_layer_stats(layer)
     if not compat.layer_is_initialized(layer):
-        return LayerStats(False, 0, None, None, 0, 0)
+        return LayerStats(False, 0, None, None, 0, 0, sliding=_is_sliding(layer))
     b, h, held, _ = layer.keys.shape
     nbytes = storage_nbytes(layer.keys, layer.values)
     count = torch.full((b, h), held, dtype=torch.long, device=layer.keys.device)
     seen = layer.get_seq_length()
-    return LayerStats(False, seen, count, None, nbytes, nbytes, nbytes)
+    return LayerStats(False, seen, count, None, nbytes, nbytes, nbytes, _is_sliding(layer))
+
+
+def _is_sliding(layer) -> bool:
+    """Whether a stock layer is a sliding window (``is_sliding`` since 4.56; kvpatch's own
+    layers are full attention)."""
+    return bool(getattr(layer, "is_sliding", False))
 
 
 def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:

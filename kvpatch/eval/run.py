@@ -29,7 +29,9 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
     table (``results.md``), ``results.csv``, ``results.json`` and ``results.png`` to
     ``config.output``."""
     if model is None:
-        model, codec = load_model(config.model, config.attn_implementation, config.dtype)
+        model, codec = load_model(
+            config.model, config.attn_implementation, config.dtype, config.prompt_format
+        )
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     samples = make_samples(
@@ -54,7 +56,9 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
     records = sorted(
         runner.records, key=lambda r: (r["task"], MODES.index(r["mode"]), r["policy"] != FULL)
     )
-    result = {"config": asdict(config), "summary": summarize(records), "records": records}
+    # the format the prompts were laid out in (None in the config: the codec's choice)
+    settings = {**asdict(config), "prompt_format": codec.prompt_format}
+    result = {"config": settings, "summary": summarize(records), "records": records}
     write_outputs(result, Path(config.output), plot=config.plot)
     return result
 
