@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpatch import compat, packed_attention, replay_attention
+from kvpatch import compat, hidden_states, packed_attention, replay_attention
 from kvpatch.cache import CompressedView, PackedView, PrefillView, ReplayView, view_of
 from kvpatch.fake_keys import fake_keys
 from kvpatch.policies import LayerInputs, Policy
@@ -90,11 +90,14 @@ def _make_attention(backend: str) -> Callable:
 def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwargs):
     backend = _current_backend(backend, module)
     original = compat.original_attention(backend, module)
+    hidden = hidden_states.take(module)
     view = view_of(key)
     if isinstance(view, PrefillView):
         output = original(module, query, key, value, attention_mask, **kwargs)
-        _compress_prefill(view, module, query, key, value, attention_mask, kwargs)
+        _compress_prefill(view, module, query, key, value, attention_mask, kwargs, hidden)
         return output
+    if isinstance(view, (PackedView, CompressedView)):
+        view.layer.remember_hidden_states(hidden)
     if isinstance(view, PackedView):
         if backend == "sdpa" and packed_attention.serves(view.store, query, kwargs):
             return _attend_packed(module, query, attention_mask, view, kwargs)
@@ -131,15 +134,20 @@ def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> floa
     return float(scaling)
 
 
-def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -> None:
+def _compress_prefill(view, module, query, key, value, attention_mask, kwargs, hidden) -> None:
     policy = view.policy if view.policy is not None else _module_policies.get(module)
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
         policy = None  # a sliding layer already bounds its cache
+    if policy is None or not policy.needs_hidden_states:
+        hidden = None
     valid = valid_tokens(attention_mask, key)
+    candidates = None
     if view.prompt_tokens is not None:  # assisted decoding: its candidates are not compressed
         tokens = view.prompt_tokens
         query, key, value = (t[..., :tokens, :] for t in (query, key, value))
         valid = valid[:, :tokens]
+        if hidden is not None:
+            hidden, candidates = hidden[:, :tokens], hidden[:, tokens:]
     inputs = LayerInputs(
         queries=query,
         keys=key,
@@ -150,11 +158,14 @@ def _compress_prefill(view, module, query, key, value, attention_mask, kwargs) -
         rotary=_module_rotary.get(module),
         sink_tokens=view.sink_tokens,
         keep_tokens=view.keep_tokens,
+        hidden_states=hidden,
     )
     if policy is not None and policy.needs_all_layers:
         view.layer.defer(policy, inputs, view.decode_budget)
     else:
         view.layer.compress(policy, inputs, view.decode_budget)
+    if candidates is not None and candidates.shape[1]:
+        view.layer.remember_hidden_states(candidates)
 
 
 def valid_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
     add_new_tokens_option(ask)
     commands.add_parser("eval", help="the evaluation harness (kvpatch eval --help)", add_help=False)
     commands.add_parser(
+        "fit-scorer",
+        help="fit the kvzap scorer of a model (kvpatch fit-scorer --help)",
+        add_help=False,
+    )
+    commands.add_parser(
         "bench", help="decode speed and bytes (kvpatch bench --help)", add_help=False
     )
     return root
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpatch.eval.cli import main as eval_main
 
         return eval_main(argv[1:])
+    if argv[:1] == ["fit-scorer"]:
+        from kvpatch.fit_scorer import main as fit_main
+
+        return fit_main(argv[1:])
     if argv[:1] == ["bench"]:
         from kvpatch.bench import main as bench_main
 

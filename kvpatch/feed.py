@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpatch import compat, replay
+from kvpatch import compat, replay, scorer_maps
 from kvpatch.cache import (
     CompressedDynamicCache,
     CompressedLayer,
@@ -54,6 +54,7 @@ def prefill_into(
 ) -> torch.Tensor:
     """Prefill ``input_ids`` into ``cache``, compressed as its policy says, in one forward or in
     chunks of ``chunk_size`` tokens; returns the logits of the last position."""
+    scorer_maps.prepare(model, cache.policy)
     if chunk_size is not None and input_ids.shape[1] > chunk_size:
         return _prefill_in_chunks(
             model, cache, input_ids, attention_mask, get_tokenizer, chunk_size

@@ -124,18 +124,27 @@ def _attend_shared(
     if length:
         packed_scores = _packed_scores(packed, held, together)
         context_scores = torch.cat([packed_scores, context_scores], dim=-1)
-    width = context_scores.shape[-1]
-    per_row = context_scores.view(kv_heads, batch, rows, width).transpose(0, 1)
-    row_scores = grouped @ row_keys.transpose(-1, -2)
+    row_scores = grouped @ row_keys.transpose(-1, -2)  # [batch, kv_heads, rows, row tail]
     if rows_visible is not None:
         row_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
-    weights = _softmax(torch.cat([per_row, row_scores], dim=-1), query.dtype)
-    shared = weights[..., :width].transpose(0, 1).reshape(1, kv_heads, batch * rows, width)
+    row_scores = row_scores.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
+    # one softmax per query over its context and its own tail, each part exponentiated where it
+    # is (the context's scores are neither copied per row nor concatenated with the tails) and
+    # the output divided by the two parts' sum
+    context_scores, row_scores = context_scores.float(), row_scores.float()
+    top = torch.maximum(context_scores.amax(-1), row_scores.amax(-1))[..., None]
+    shared = context_scores.sub_(top).exp_()
+    own = row_scores.sub_(top).exp_()
+    total = shared.sum(-1, keepdim=True).add_(own.sum(-1, keepdim=True))
+    shared, own = shared.to(query.dtype), own.to(query.dtype)
     output = shared[..., length:] @ context_values
     if length:
         output = output.add_(_packed_output(packed, held, shared[..., :length]))
-    output = output.view(kv_heads, batch, rows, -1).transpose(0, 1)
-    return _ungrouped(output + weights[..., width:] @ row_values, query)
+    own = own.view(kv_heads, batch, rows, -1)
+    row_values = row_values.transpose(0, 1)  # [kv_heads, batch, row tail, dim]
+    output = output.view(kv_heads, batch, rows, -1).add_(own @ row_values)
+    output = output.div_(total.view(kv_heads, batch, rows, 1).to(output.dtype))
+    return _ungrouped(output.transpose(0, 1), query)
 
 
 def _grouped(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Tensor:

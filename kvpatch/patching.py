@@ -18,7 +18,7 @@ import torch
 import wrapt
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from kvpatch import attention, checks, compat, generate_args
+from kvpatch import attention, checks, compat, generate_args, hidden_states, scorer_maps
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
 from kvpatch.feed import keep_system_prefix, prefill_into
 from kvpatch.policies import Policy, parse_policy
@@ -33,6 +33,7 @@ class _Patch:
     attention_modules: list[torch.nn.Module]
     tokenizer: object = None
     instance_generate: object = field(default=_MISSING)
+    hooks: list = field(default_factory=list)
 
 
 _patches: weakref.WeakKeyDictionary[torch.nn.Module, _Patch] = weakref.WeakKeyDictionary()
@@ -111,6 +112,7 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer
             "kvpatch is already enabled on this model; call kvpatch.disable(model) first"
         )
     implementation, modules = _check_supported(model)
+    scorer_maps.prepare(model, policy)  # a kvzap policy reads its fitted map now
     attention.register()
     patch = _Patch(
         policy, implementation, modules, tokenizer, model.__dict__.get("generate", _MISSING)
@@ -119,6 +121,8 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer
     for module in modules:
         compat.dispatch_module_to(module, attention.implementation_name(implementation))
         attention.bind_policy(module, policy, rotary)
+        hook = module.register_forward_pre_hook(hidden_states.record, with_kwargs=True)
+        patch.hooks.append(hook)
     model.generate = wrapt.FunctionWrapper(model.generate, _generate_with_compressed_cache)
     _patches[model] = patch
 
@@ -131,6 +135,8 @@ def disable(model: torch.nn.Module) -> None:
     for module in patch.attention_modules:
         compat.restore_module_dispatch(module)
         attention.unbind_policy(module)
+    for hook in patch.hooks:
+        hook.remove()
     if patch.instance_generate is _MISSING:
         del model.generate
     else:
@@ -209,6 +215,7 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     cache.prompt_tokens = ids.shape[-1] if assisted else None  # a reused cache: set anew
     policy = cache.policy if cache.policy is not None else policy_of(model)
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
+    scorer_maps.prepare(model, policy)
     if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
         _prefill_for_generate(model, cache, ids, kwargs)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvpatch import policies
+from kvpatch import policies, scorer_maps
 from kvpatch.cache import CompressedDynamicCache, Quantization, serial
 from kvpatch.compat import rotary_function
 
@@ -118,6 +118,8 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
         max_kv_tokens=header.get("max_kv_tokens"),
     )
     serial.restore_layers(cache, header["layers"], tensors, decode_policy, rotary_function(model))
+    for policy in [cache.policy, *(layer.policy for layer in cache.compressed_layers)]:
+        scorer_maps.prepare(model, policy)  # each layer's kvzap scorer reads its map
     ids, mask = tensors["context.input_ids"], tensors["context.attention_mask"]
     return cache, ids, mask, tensors.get("context.logits")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvpatch import compat, replay
+from kvpatch import compat, replay, scorer_maps
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
 from kvpatch.patching import disable, enable, is_enabled
 from kvpatch.policies import LayerInputs, Plan, Policy
@@ -25,8 +25,13 @@ class _Recorder(Policy):
     ratio = 0.0
     name = "record"
 
-    def __init__(self):
+    def __init__(self, hidden_states: bool = False):
         self.inputs: dict[int, LayerInputs] = {}
+        self.hidden_states = hidden_states
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.hidden_states
 
     def plan(self, inputs: LayerInputs, must_keep=None) -> Plan:
         self.inputs[inputs.layer_idx] = inputs
@@ -57,8 +62,10 @@ class SharedPrefill:
 
     @classmethod
     @torch.no_grad()
-    def run(cls, model, ids: torch.Tensor) -> SharedPrefill:
-        recorder = _Recorder()
+    def run(cls, model, ids: torch.Tensor, hidden_states: bool = False) -> SharedPrefill:
+        """The prefill of ``ids``; with ``hidden_states``, each layer's hidden states are
+        recorded too (for KVzap; as many bytes again as the queries)."""
+        recorder = _Recorder(hidden_states)
         was_enabled = is_enabled(model)
         if not was_enabled:
             enable(model)
@@ -81,6 +88,7 @@ class SharedPrefill:
             cache = DynamicCache(config=model.config)
         else:
             cache = CompressedDynamicCache(config=model.config, policy=policy)
+            scorer_maps.prepare(model, cache.policy)
         length = length or self.input_ids.shape[1]
         self.reused_replay_s = 0.0
         deferred = policy is not None and cache.policy.needs_all_layers
@@ -93,6 +101,9 @@ class SharedPrefill:
                     keys=inputs.keys[:, :, :length],
                     values=inputs.values[:, :, :length],
                     valid=inputs.valid[..., :length],
+                    hidden_states=None
+                    if inputs.hidden_states is None
+                    else inputs.hidden_states[:, :length],
                 )
             layer.update(inputs.keys, inputs.values)
             if isinstance(layer, CompressedLayer):

@@ -67,3 +67,34 @@ def pytest_report_header(config):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _kvzap_maps(request, tmp_path_factory, monkeypatch):
+    """Tests that run every policy meet ``kvzap``, which needs a fitted map: each model the
+    tests build gets a random one in a temporary folder (not the kvpatch cache), written
+    through the real file format the first time the policy looks for it. Tests marked
+    ``real_kvzap_paths`` see the default paths as they are (no map unless they write one)."""
+    if request.node.get_closest_marker("real_kvzap_paths"):
+        yield
+        return
+    from kvpatch import scorer_maps
+    from kvpatch.policies import HiddenStateMap
+
+    folder = tmp_path_factory.getbasetemp() / "kvzap-maps"
+    real = scorer_maps.default_path
+
+    def default_path_with_a_map(model):
+        path = folder / real(model).name
+        if not path.exists():
+            config = model.config
+            layers, kv = config.num_hidden_layers, config.num_key_value_heads
+            g = torch.Generator(device="cpu").manual_seed(0)
+            weight = torch.randn(layers, config.hidden_size, kv, generator=g, device="cpu")
+            hidden_map = HiddenStateMap("linear", weight, torch.zeros(layers, kv, device="cpu"),
+                                        list(range(layers)))  # fmt: skip
+            scorer_maps.save_map(path, hidden_map, model, {"random": True})
+        return path
+
+    monkeypatch.setattr(scorer_maps, "default_path", default_path_with_a_map)
+    yield

@@ -10,18 +10,18 @@
 - :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment, a
   prefill chunk;
 - :mod:`~kvpatch.cache.replay_chunk` — a KVzip reconstruction chunk's masks and workspaces;
+- :mod:`~kvpatch.cache.hidden_scores` — every token's score from its hidden state (KVzap);
 - :mod:`~kvpatch.cache.views` — what the layer tells the attention function about its keys;
 - :mod:`~kvpatch.cache.stats` — tokens and bytes held.
 """
 
-from kvpatch.cache.dynamic import CompressedDynamicCache
+from kvpatch.cache.dynamic import CompressedDynamicCache, check_chunk_size
 from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import (
     RECENT_QUERIES,
     DecodeBudget,
     bounded_history_policy,
-    check_chunk_size,
     check_max_kv_tokens,
     token_part,
     token_policy_of,

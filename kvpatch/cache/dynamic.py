@@ -14,7 +14,6 @@ from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import (
     DecodeBudget,
-    check_chunk_size,
     check_decode_budget,
     check_max_kv_tokens,
 )
@@ -172,3 +171,20 @@ def _keep_own_storage(layer) -> None:
             stored = held.untyped_storage().nbytes()
             if stored > 2 * held.numel() * held.element_size():
                 setattr(layer, name, held.clone())
+
+
+def check_chunk_size(
+    chunk_size: int | None, policy: Policy | None, name: str = "chunk_size"
+) -> None:
+    """Reject a chunk size that is not a positive integer, or a policy that cannot re-score
+    what is held after each chunk."""
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{name} must be a positive integer (tokens), got {chunk_size!r}")
+    if policy is not None and policy.needs_replay:
+        raise ValueError(
+            f"{policy.name!r} scores tokens by reconstructing the whole context, which a chunked "
+            f"prefill does not have until its end; drop {name}, or use a policy that scores "
+            "from queries or keys (snapkv, ada-snapkv, knorm, keydiff, ...)"
+        )

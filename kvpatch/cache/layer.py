@@ -13,16 +13,17 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpatch import checks, compat
 from kvpatch.cache import recompress
+from kvpatch.cache.hidden_scores import HiddenScores
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
-from kvpatch.cache.replay_chunk import ReplayChunk
+from kvpatch.cache.replay_chunk import Reconstructed, ReplayChunk
 from kvpatch.cache.store import CompressedStore
 from kvpatch.cache.views import PrefillView, mark
-from kvpatch.policies import LayerInputs, Plan, Policy
+from kvpatch.policies import KVzap, LayerInputs, Plan, Policy
 
 
-class CompressedLayer(DynamicLayer):
+class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
     """One full-attention layer: dense until its prefill is compressed, a
     :class:`~kvpatch.cache.store.CompressedStore` afterwards.
 
@@ -49,6 +50,10 @@ class CompressedLayer(DynamicLayer):
         self.capture_queries = False
         self.segment_queries: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None  # for a decode budget
+        # a policy scoring hidden states (KVzap): the score of every token seen, [b, h, seen],
+        # so that what is held can be ranked again (chunks, appended turns, a decode budget)
+        self.hidden_scorer: KVzap | None = None
+        self.token_scores: torch.Tensor | None = None
 
     # -- transformers' layer API ---------------------------------------------------------------
 
@@ -107,6 +112,8 @@ class CompressedLayer(DynamicLayer):
             self.store.truncate_tail(remove)
             self._expose_tail()
         self.seen -= remove
+        if self.token_scores is not None:
+            self.token_scores = self.token_scores[..., : self.seen]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -126,6 +133,8 @@ class CompressedLayer(DynamicLayer):
         self.setup.select_rows(indices)
         if self.recent_queries is not None:
             self.recent_queries = self.recent_queries[indices]
+        if self.token_scores is not None:
+            self.token_scores = self.token_scores[indices]
         self._expose_tail()
 
     reorder_cache = batch_select_indices  # beam search's reordering
@@ -141,6 +150,8 @@ class CompressedLayer(DynamicLayer):
         if self.store is not None:
             self.store.to(device)
             self._expose_tail()
+            if self.token_scores is not None:
+                self.token_scores = self.token_scores.to(device, non_blocking=True)
         elif self.is_initialized:
             self.keys, self.values = (
                 t.to(device, non_blocking=True) for t in (self.keys, self.values)
@@ -164,6 +175,7 @@ class CompressedLayer(DynamicLayer):
             return
         if decode_budget is not None:
             check_decode_budget(policy, decode_budget)
+        inputs = self._score_hidden_states(policy, inputs)
         if plan is None:
             plan = policy.plan(inputs)
         plan.check(inputs)
@@ -190,11 +202,14 @@ class CompressedLayer(DynamicLayer):
         if inputs.num_tokens <= 1:
             self.passthrough = True
             return
+        inputs = self._score_hidden_states(policy, inputs)
         self.deferred = Deferred(policy, recompress.scored_for_later(policy, inputs), decode_budget)
 
     def _append_compressed(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if recompress.over_decode_budget(self.store, self.setup.decode_budget):
-            self.store = recompress.compress_to_budget(self.store, self.setup, self.recent_queries)
+            self.store = recompress.compress_to_budget(
+                self.store, self.setup, self.recent_queries, self._held_scores()
+            )
         self.store.append(key_states, value_states)
         self._expose_tail()
         return self.store.attention_view(self)
@@ -216,8 +231,11 @@ class CompressedLayer(DynamicLayer):
 
     def segment_inputs(self) -> LayerInputs:
         """The tail, as a policy sees it, with the queries recorded while it was appended."""
+        scores = self.token_scores
+        if scores is not None:
+            scores = scores[..., self.store.tail_start : self.store.end]
         return recompress.segment_inputs(
-            self.store, self.setup, self.segment_queries, self.replay_attention
+            self.store, self.setup, self.segment_queries, self.replay_attention, scores
         )
 
     def compress_segment(self, keep: torch.Tensor) -> None:
@@ -228,36 +246,15 @@ class CompressedLayer(DynamicLayer):
 
     def held_inputs(self, keep_tokens: int | torch.Tensor) -> LayerInputs:
         """Everything held, scored by the recorded queries, to keep ``keep_tokens`` per head."""
-        return recompress.held_inputs(self.store, self.setup, self.segment_queries, keep_tokens)
+        return recompress.held_inputs(
+            self.store, self.setup, self.segment_queries, keep_tokens, self._held_scores()
+        )
 
     def keep_held(self, inputs: LayerInputs, keep: torch.Tensor) -> None:
         """Keep the ``keep`` slots of :meth:`held_inputs` (a prefill chunk compressed back)."""
         self.store = recompress.keep_held(self.store, self.setup, inputs, keep)
         self.segment_queries = None
         self._expose_tail()
-
-    # -- a context reconstruction (KVzip) ------------------------------------------------------
-
-    def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""
-        if self.replay is None:
-            raise ValueError(
-                "this cache waits for a context reconstruction (the policy scores tokens with "
-                "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
-                "model.generate on an enabled model, not with a plain forward"
-            )
-        if self.deferred is not None:
-            return self.replay.view(self, self.keys, self.values, None, key_states, value_states)
-        keys, values, held_valid = *self.store.dense(), self.store.slot_valid()
-        scored_from = self.store.packed.max_length  # only the tail is scored
-        return self.replay.view(
-            self, keys, values, held_valid, key_states, value_states, scored_from
-        )
-
-    def record_replay_attention(self, attention: torch.Tensor) -> None:
-        """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
-        previous = self.replay_attention
-        self.replay_attention = attention if previous is None else previous.maximum(attention)
 
     def _expose_tail(self) -> None:
         self.keys, self.values = self.store.tail()
@@ -291,7 +288,8 @@ class CompressedLayer(DynamicLayer):
         """Bytes of the tensors this layer holds (their storages, not views)."""
         if self.store is None:
             return self.kv_nbytes()
-        return self.store.nbytes() + storage_nbytes(self.recent_queries, self.setup.position_offset)
+        extra = storage_nbytes(self.recent_queries, self.setup.position_offset, self.token_scores)
+        return self.store.nbytes() + extra
 
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values alone, without positions, indices or queries."""

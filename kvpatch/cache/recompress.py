@@ -132,7 +132,9 @@ def scored_for_later(policy: Policy, inputs: LayerInputs) -> LayerInputs:
     if not isinstance(scorer, TokenScorer):  # a policy of the user's own: it keeps everything
         return inputs
     scores = scorer.score(inputs)
-    return dataclasses.replace(inputs, scores=scores, queries=recent(None, inputs.queries, keep))
+    return dataclasses.replace(
+        inputs, scores=scores, queries=recent(None, inputs.queries, keep), hidden_states=None
+    )
 
 
 def token_part(policy: Policy) -> Policy | None:
@@ -198,23 +200,6 @@ def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
         )
 
 
-def check_chunk_size(
-    chunk_size: int | None, policy: Policy | None, name: str = "chunk_size"
-) -> None:
-    """Reject a chunk size that is not a positive integer, or a policy that cannot re-score
-    what is held after each chunk."""
-    if chunk_size is None:
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{name} must be a positive integer (tokens), got {chunk_size!r}")
-    if policy is not None and policy.needs_replay:
-        raise ValueError(
-            f"{policy.name!r} scores tokens by reconstructing the whole context, which a chunked "
-            f"prefill does not have until its end; drop {name}, or use a policy that scores "
-            "from queries or keys (snapkv, ada-snapkv, knorm, keydiff, ...)"
-        )
-
-
 def recent(
     previous: torch.Tensor | None, queries: torch.Tensor, window: int = RECENT_QUERIES
 ) -> torch.Tensor:
@@ -233,10 +218,14 @@ def over_decode_budget(store: CompressedStore, budget: DecodeBudget | None) -> b
 
 
 def compress_to_budget(
-    store: CompressedStore, setup: LayerSetup, queries: torch.Tensor
+    store: CompressedStore,
+    setup: LayerSetup,
+    queries: torch.Tensor,
+    hidden_scores: torch.Tensor | None = None,
 ) -> CompressedStore:
-    """Everything held, cut back to the decode budget by the policy scoring with ``queries``."""
-    inputs = held_inputs(store, setup, queries, setup.decode_budget.tokens)
+    """Everything held, cut back to the decode budget by the policy scoring with ``queries``
+    (or ``hidden_scores``, every slot's, for a policy that scores hidden states)."""
+    inputs = held_inputs(store, setup, queries, setup.decode_budget.tokens, hidden_scores)
     must_keep = setup.full_width_window(store, inputs.num_tokens)
     keep = token_policy_of(setup.policy).plan(inputs, must_keep=must_keep).keep
     reserve = setup.decode_budget.interval  # room for the tokens until the next compression
@@ -248,13 +237,15 @@ def held_inputs(
     setup: LayerSetup,
     queries: torch.Tensor,
     keep_tokens: int | torch.Tensor,
+    hidden_scores: torch.Tensor | None = None,
 ) -> LayerInputs:
-    """Everything the layer holds as a policy sees it, scored by the last ``queries``, to keep
-    ``keep_tokens`` per head (an int, or long ``[batch]`` per row)."""
+    """Everything the layer holds as a policy sees it, scored by the last ``queries`` (or the
+    slots' ``hidden_scores``), to keep ``keep_tokens`` per head (an int, or long ``[batch]`` per
+    row)."""
     keys, values = store.dense()
     return setup.inputs(
         queries, store.end, keys=keys, values=values, valid=store.slot_valid(),
-        keep_tokens=keep_tokens,
+        keep_tokens=keep_tokens, hidden_scores=hidden_scores,
     )  # fmt: skip
 
 
@@ -277,13 +268,14 @@ def segment_inputs(
     setup: LayerSetup,
     queries: torch.Tensor,
     replay_attention: torch.Tensor | None,
+    hidden_scores: torch.Tensor | None = None,
 ) -> LayerInputs:
     """The tail (tokens held at full width since the last compression) as a policy sees it,
-    with the ``queries`` recorded while it was appended."""
+    with the ``queries`` recorded while it was appended (and its tokens' ``hidden_scores``)."""
     keys, values = store.tail()
     return setup.inputs(
         queries, store.end, keys=keys, values=values, valid=store.tail_valid,
-        replay_attention=replay_attention, at_start=False,
+        replay_attention=replay_attention, at_start=False, hidden_scores=hidden_scores,
     )  # fmt: skip
 
 

@@ -142,3 +142,32 @@ def _replay_mask(held_valid: torch.Tensor, query_valid: torch.Tensor, group: int
     visible = visible.repeat(1, 1, group, 1)
     mask = torch.zeros(visible.shape, dtype=torch.float32, device=query_valid.device)
     return mask.masked_fill_(~visible, float("-inf"))
+
+
+class Reconstructed:
+    """Mixin of :class:`~kvpatch.cache.CompressedLayer`: how it serves a reconstruction chunk
+    (``replay``) and keeps the attention its tokens got (``replay_attention``)."""
+
+    replay: ReplayChunk | None
+    replay_attention: torch.Tensor | None
+
+    def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""
+        if self.replay is None:
+            raise ValueError(
+                "this cache waits for a context reconstruction (the policy scores tokens with "
+                "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
+                "model.generate on an enabled model, not with a plain forward"
+            )
+        if self.deferred is not None:
+            return self.replay.view(self, self.keys, self.values, None, key_states, value_states)
+        keys, values, held_valid = *self.store.dense(), self.store.slot_valid()
+        scored_from = self.store.packed.max_length  # only the tail is scored
+        return self.replay.view(
+            self, keys, values, held_valid, key_states, value_states, scored_from
+        )
+
+    def record_replay_attention(self, attention: torch.Tensor) -> None:
+        """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
+        previous = self.replay_attention
+        self.replay_attention = attention if previous is None else previous.maximum(attention)

@@ -20,6 +20,7 @@ from kvpatch.cache.packed import PackedKV
 from kvpatch.cache.quantized import Quantization, QuantizedRows
 from kvpatch.cache.recompress import DecodeBudget, LayerSetup
 from kvpatch.cache.store import CompressedStore
+from kvpatch.policies import hidden_state_scorer
 
 Tensors = dict[str, torch.Tensor]
 
@@ -96,6 +97,8 @@ def _compressed_layer_state(layer: CompressedLayer, own: Tensors, encode_policy)
     own["tail_valid"], own["position_offset"] = store.tail_valid, setup.position_offset
     if layer.recent_queries is not None:
         own["recent_queries"] = layer.recent_queries
+    if layer.token_scores is not None:
+        own["token_scores"] = layer.token_scores
     packed = store.packed
     quantization = store.quantization
     return {
@@ -188,6 +191,9 @@ def _restore_compressed(layer: CompressedLayer, described: dict, own, decode_pol
     layer.dtype, layer.device, layer.is_initialized = tail.dtype, tail.device, True
     layer.store, layer.seen = store, described["seen"]
     layer.recent_queries = own.get("recent_queries")
+    layer.token_scores = own.get("token_scores")
+    if layer.token_scores is not None:
+        layer.hidden_scorer = hidden_state_scorer(layer.setup.policy)
     layer._expose_tail()
 
 

@@ -56,6 +56,7 @@ def _shared_layer(layer, rows: int):
         offset = layer.setup.position_offset.expand(rows).clone()
         shared.setup = dataclasses.replace(layer.setup, position_offset=offset)
         shared.recent_queries = shared.segment_queries = None
+        shared.token_scores = None  # the rows' tails are never compressed: no scores needed
         shared._expose_tail()
     elif getattr(layer, "is_initialized", False):
         shared.batch_repeat_interleave(rows)  # assigns new tensors: ``layer`` keeps its own

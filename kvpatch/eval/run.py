@@ -80,8 +80,14 @@ class _Runner:
         if self.config.shared_prefill:
             asked = group if "prefill" in self.config.modes else group[:1]
             device = self.model.device
+            hidden = any(
+                kvpatch.parse_policy(with_ratio(p, 0.5)).needs_hidden_states
+                for p, _ in self.runs
+                if p != FULL
+            )  # kvzap scores from the hidden states: the prefill records them too
             prefills = [
-                kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device)) for s in asked
+                kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device), hidden)
+                for s in asked
             ]
         for mode in self.config.modes:
             for policy, ratio in self.runs:

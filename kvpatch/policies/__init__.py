@@ -23,6 +23,7 @@ from kvpatch.policies.contract import LayerInputs, Plan, check_ratio
 from kvpatch.policies.expected_attention import ExpectedAttention
 from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm
+from kvpatch.policies.kvzap import HiddenStateMap, KVzap, hidden_state_scorer
 from kvpatch.policies.kvzip import KVzip, KVzipPlus
 from kvpatch.policies.layer_budgets import GlobalBudgets
 from kvpatch.policies.pyramid import Pyramid
@@ -48,6 +49,7 @@ TOKEN_SCORERS: dict[str, type[TokenScorer]] = {
         KVzipPlus,
         ExpectedAttention,
         KeyDiff,
+        KVzap,
     )
 }
 #: prefixes that share a token scorer's budget differently
@@ -184,6 +186,8 @@ __all__ = [
     "Composed",
     "ExpectedAttention",
     "GlobalBudgets",
+    "HiddenStateMap",
+    "KVzap",
     "KVzip",
     "KVzipPlus",
     "KeyDiff",
@@ -202,6 +206,7 @@ __all__ = [
     "ThinKValues",
     "TokenScorer",
     "compose",
+    "hidden_state_scorer",
     "parse_policy",
     "policy_names",
 ]

@@ -26,6 +26,7 @@ from kvpatch.policies.contract import (
     Plan,
     budget_per_head,
     check_ratio,
+    full_width_window,
     scores_with_rules,
     select_top,
 )
@@ -67,6 +68,12 @@ class Policy(ABC):
         """Whether :meth:`plan_layers` must see every layer at once (budgets shared across
         layers): compression then waits for the end of the prefill."""
         return self.needs_replay
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the scores come from each token's hidden state (KVzap): the attention then
+        hands the policy what it read, and the cache keeps every token's score."""
+        return False
 
     @abstractmethod
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
@@ -234,6 +241,10 @@ class Composed(Policy):
         return self.tokens is not None and self.tokens.needs_all_layers
 
     @property
+    def needs_hidden_states(self) -> bool:
+        return self.tokens is not None and self.tokens.needs_hidden_states
+
+    @property
     def query_window(self) -> int:
         return self.tokens.query_window if self.tokens is not None else DEFAULT_QUERY_WINDOW
 
@@ -249,7 +260,7 @@ class Composed(Policy):
             keeps = [x.head_valid.clone() for x in inputs]
         else:
             windows = [
-                _full_width_window(x, start, m)
+                full_width_window(x, start, m)
                 for x, start, m in zip(inputs, full_width, must_keep, strict=True)
             ]
             keeps = [plan.keep for plan in self.tokens.plan_layers(inputs, windows)]
@@ -262,18 +273,6 @@ class Composed(Policy):
             Plan(keep=keep, channels=k, full_width_from=start, value_channels=v)
             for keep, k, start, v in zip(keeps, keys, full_width, values, strict=True)
         ]
-
-
-def _full_width_window(
-    inputs: LayerInputs, full_width_from: int, must_keep: torch.Tensor | None
-) -> torch.Tensor:
-    """The tokens the token policy must keep: the channel selectors' full-width window (real
-    tokens only) and any forced ones."""
-    positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
-    window = (positions >= full_width_from)[None, :] & inputs.valid
-    if window.dim() == 3:  # per-head validity: the window is kept where any head has it
-        window = window.any(1)
-    return window if must_keep is None else window | must_keep
 
 
 def compose(*parts: Policy) -> Composed:

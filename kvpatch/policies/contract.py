@@ -72,6 +72,11 @@ class LayerInputs:
     scores : Tensor ``[batch, kv_heads, tokens]``, the token scorer's own scores, computed at the
         layer's prefill when compression waits for every layer (so that its queries need not be
         kept); None: the scorer computes them.
+    hidden_states : Tensor ``[batch, tokens, hidden]``, what the attention read for these tokens
+        (after the layer's input norm), for a policy that scores from it (KVzap); None
+        otherwise.
+    hidden_scores : Tensor ``[batch, kv_heads, tokens]``, such a policy's scores of tokens held
+        earlier, computed from their hidden states as they arrived.
     """
 
     queries: torch.Tensor
@@ -87,6 +92,8 @@ class LayerInputs:
     sink_tokens: int = 0
     at_start: bool = True
     scores: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    hidden_scores: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -272,3 +279,15 @@ def row_budget(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch
 def protected_count(scores: torch.Tensor) -> torch.Tensor:
     """Tokens per head that must be kept (a score of ``+inf``), ``[batch, kv_heads]``."""
     return (torch.isinf(scores) & (scores > 0)).sum(-1)
+
+
+def full_width_window(
+    inputs: LayerInputs, full_width_from: int, must_keep: torch.Tensor | None
+) -> torch.Tensor:
+    """The tokens the token policy must keep: the channel selectors' full-width window (real
+    tokens only) and any forced ones."""
+    positions = torch.arange(inputs.num_tokens, device=inputs.keys.device)
+    window = (positions >= full_width_from)[None, :] & inputs.valid
+    if window.dim() == 3:  # per-head validity: the window is kept where any head has it
+        window = window.any(1)
+    return window if must_keep is None else window | must_keep

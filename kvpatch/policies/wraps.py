@@ -46,5 +46,9 @@ class WrapsScorer:
         return self.scorer.needs_replay
 
     @property
+    def needs_hidden_states(self) -> bool:
+        return self.scorer.needs_hidden_states
+
+    @property
     def query_window(self) -> int:
         return self.scorer.query_window
