@@ -4,8 +4,13 @@ kvpatch cannot compress (another kind of cache, a cache filled by another model)
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
+
 import torch
 
+from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache
 
 
@@ -34,11 +39,40 @@ def assisted(model, kwargs: dict) -> bool:
 
 def requested_cache_implementation(model, kwargs: dict) -> str | None:
     """The ``cache_implementation`` ``generate`` would use: its argument, else the
-    ``generation_config`` given, else the model's."""
+    ``generation_config`` given, else the model's (transformers fills a given config's unset
+    fields from the model's)."""
     if kwargs.get("cache_implementation") is not None:
         return kwargs["cache_implementation"]
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(config, "cache_implementation", None)
+    given = getattr(kwargs.get("generation_config"), "cache_implementation", None)
+    if given is not None:
+        return given
+    return getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+
+
+@contextlib.contextmanager
+def dynamic_implementation_dropped(model, kwargs: dict) -> Iterator[str | None]:
+    """While the block runs, ``generate`` is asked for no dynamic ``cache_implementation``, so
+    that kvpatch's cache replaces it: the argument is removed, a ``generation_config`` given is
+    replaced by a copy without it, the model's loses it until the block ends. Yields what was
+    asked for, or None (then nothing is changed)."""
+    implementation = requested_cache_implementation(model, kwargs)
+    if implementation not in compat.DYNAMIC_CACHE_IMPLEMENTATIONS:
+        yield None
+        return
+    kwargs.pop("cache_implementation", None)
+    given = kwargs.get("generation_config")
+    if getattr(given, "cache_implementation", None) is not None:
+        kwargs["generation_config"] = given = copy.deepcopy(given)
+        given.cache_implementation = None
+    own = getattr(model, "generation_config", None)
+    saved = getattr(own, "cache_implementation", None)
+    if saved is not None:
+        own.cache_implementation = None
+    try:
+        yield implementation
+    finally:
+        if saved is not None:
+            own.cache_implementation = saved
 
 
 def refuse_uncompressible(model, compresses: bool, cache, kwargs: dict) -> None:
@@ -54,8 +88,9 @@ def refuse_uncompressible(model, compresses: bool, cache, kwargs: dict) -> None:
     elif (implementation := requested_cache_implementation(model, kwargs)) is not None:
         kind = f"cache_implementation={implementation!r}"
         fix = (
-            "drop it (from generate's arguments or the generation_config given; on the model, "
-            "model.generation_config.cache_implementation = None)"
+            f"drop it, or ask for one of {compat.DYNAMIC_CACHE_IMPLEMENTATIONS} (kvpatch's cache "
+            "stands in for them), in generate's arguments or the generation_config given (on "
+            "the model: model.generation_config.cache_implementation = None)"
         )
     if kind is not None:
         raise ValueError(

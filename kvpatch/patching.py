@@ -185,12 +185,22 @@ def enabled(
 
 def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     model = wrapped.__self__
-    wants_cache = (
-        kwargs.get("use_cache", True) is not False
-        and generate_args.requested_cache_implementation(model, kwargs) is None
+    no_cache_given = all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS)
+    if policy_of(model) is None or not no_cache_given:
+        return _generate(model, wrapped, args, kwargs, no_cache_given, None)
+    with generate_args.dynamic_implementation_dropped(model, kwargs) as dynamic:
+        return _generate(model, wrapped, args, kwargs, no_cache_given, dynamic)
+
+
+def _generate(model, wrapped, args, kwargs, no_cache_given: bool, dynamic: str | None):
+    """``generate`` with a compressed cache made where none is given and a dynamic one (or
+    none) is asked for; ``dynamic_full`` makes no sliding-window layers, as in transformers."""
+    wants_cache = kwargs.get("use_cache", True) is not False and (
+        dynamic is not None or generate_args.requested_cache_implementation(model, kwargs) is None
     )
-    if wants_cache and all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS):
-        kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=model.config)
+    if wants_cache and no_cache_given:
+        config = None if dynamic == "dynamic_full" else model.config
+        kwargs[compat.cache_argument(model)] = CompressedDynamicCache(config=config)
     given = (kwargs.get(name) for name in compat.CACHE_ARGUMENTS)
     cache = next((c for c in given if c is not None), None)  # a cache may be falsy (empty)
     generate_args.refuse_uncompressible(model, policy_of(model) is not None, cache, kwargs)

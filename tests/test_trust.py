@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from kvpatch import compat
+
 
 def test_importing_inside_a_meta_device_context_leaves_generate_working():
     """``from_pretrained`` runs code under ``torch.device("meta")``; kvpatch imported there for
@@ -189,3 +191,123 @@ def test_assisted_decoding_at_every_prompt_length(assistant, length):
     budget = max(length - length // 2, min(length, 68))  # the prompt's: window and sinks
     if length > 1:
         assert (held == budget + 10 - 1).all()  # and every token generated but the last
+
+
+DYNAMIC_REQUESTS = {
+    "argument": lambda model, name: {"cache_implementation": name},
+    "generation_config argument": lambda model, name: {
+        "generation_config": _generation_config(model, cache_implementation=name)
+    },
+    "model's generation_config": lambda model, name: _on_the_model(model, name),
+}
+
+
+def _generation_config(model, **changes):
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.update(**changes)
+    return config
+
+
+def _on_the_model(model, name):
+    model.generation_config.cache_implementation = name
+    return {}
+
+
+@pytest.mark.parametrize("where", list(DYNAMIC_REQUESTS))
+@pytest.mark.parametrize("name", compat.DYNAMIC_CACHE_IMPLEMENTATIONS)
+def test_a_dynamic_cache_implementation_gets_the_compressed_cache(name, where):
+    """``cache_implementation="dynamic"`` or ``"dynamic_full"`` (transformers' tests ask for the
+    latter with assisted decoding) is a growing cache, which kvpatch's is: generation compresses
+    as without it, and ``dynamic_full`` makes sliding-window layers full attention as it does in
+    transformers. No generation config is changed."""
+    import torch
+
+    import kvpatch
+    from kvpatch.cache import CompressedLayer
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model("gemma2", "eager", key_scale=4.0)
+    ids = random_prompt(200)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    stock = model.generate(ids, **kwargs, **DYNAMIC_REQUESTS[where](model, name)).sequences
+    model.generation_config.cache_implementation = None
+    with kvpatch.enabled(model, "snapkv:0.5"):
+        plain = model.generate(ids, **kwargs)
+        asked = model.generate(ids, **kwargs, **DYNAMIC_REQUESTS[where](model, name))
+        assert model.generation_config.cache_implementation == (
+            name if where == "model's generation_config" else None
+        )
+        model.generation_config.cache_implementation = None
+    with kvpatch.enabled(model, "snapkv:0"):
+        unchanged = model.generate(ids, **kwargs, **DYNAMIC_REQUESTS[where](model, name))
+        model.generation_config.cache_implementation = None
+    assert torch.equal(unchanged.sequences, stock)
+    cache, layers = kvpatch.compat.cache_of(asked), kvpatch.compat.cache_of(asked).layers
+    assert cache.stats().layers[-1].compressed  # a full-attention layer
+    all_full = all(isinstance(layer, CompressedLayer) for layer in layers)
+    assert all_full == (name == "dynamic_full")
+    if name == "dynamic":
+        assert torch.equal(asked.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("policy", ["snapkv:0", "ada-snapkv:0", "think:0+snapkv:0"])
+def test_a_layers_keys_at_ratio_0_are_a_dynamic_caches(policy):
+    """transformers' tests read ``layer.keys``/``values`` of the cache generate returns: at ratio
+    0 they are the stock cache's, every token of every head."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model(key_scale=4.0)
+    ids = random_prompt(90, batch=2)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    stock = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+    with kvpatch.enabled(model, policy):
+        ours = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+    assert ours.stats().layers[0].compressed
+    for expected, layer in zip(stock.layers, ours.layers, strict=True):
+        torch.testing.assert_close(layer.keys, expected.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.values, expected.values, atol=1e-5, rtol=0)
+
+
+def test_a_compressed_layers_keys_are_what_it_holds_and_never_read_while_decoding(monkeypatch):
+    """Compressed, ``layer.keys`` holds each head's kept tokens (the stock cache's at the kept
+    positions, zeros after a shorter head's); building it is for readers outside kvpatch:
+    generation never does."""
+    import torch
+
+    import kvpatch
+    from kvpatch.cache import held_tensors
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model(key_scale=4.0)
+    ids = random_prompt(200)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    stock = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+    reads = []
+    original = held_tensors.HeldTensors.keys
+
+    def counted(layer):
+        if layer.store is not None:
+            reads.append(layer)
+        return original.fget(layer)
+
+    monkeypatch.setattr(held_tensors.HeldTensors, "keys", property(counted, original.fset))
+    with kvpatch.enabled(model, "ada-snapkv:0.6"):
+        ours = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+    assert reads == []
+    layer, expected = ours.layers[1], stock.layers[1]
+    held = layer.physical_lengths()[0]
+    assert held.unique().numel() > 1  # heads of different lengths
+    keys = layer.keys
+    assert keys.shape[-2] == int(held.max())
+    stats = ours.stats().layers[1]
+    for head in range(keys.shape[1]):
+        kept = stats.kept_positions(0, head)
+        rows = keys[0, head][keys[0, head].ne(0).any(-1)]  # padding is rows of zeros
+        assert len(rows) == len(kept)
+        prompt = kept < ids.shape[1]  # the decoded tokens' keys depend on what was kept
+        torch.testing.assert_close(rows[prompt], expected.keys[0, head, kept[prompt]])

@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpatch import checks, compat
 from kvpatch.cache import recompress
+from kvpatch.cache.held_tensors import HeldTensors
 from kvpatch.cache.hidden_scores import HiddenScores
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
@@ -23,12 +24,14 @@ from kvpatch.cache.views import PrefillView, mark
 from kvpatch.policies import KVzap, LayerInputs, Plan, Policy
 
 
-class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
+class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
     """One full-attention layer: dense until its prefill is compressed, a
     :class:`~kvpatch.cache.store.CompressedStore` afterwards.
 
     While dense, ``keys``/``values`` hold everything like ``DynamicLayer``. Once compressed they
-    show the store's full-width tail, as transformers' code expects them to exist.
+    show what the store holds, laid out as transformers lays a layer out (``[batch, kv_heads,
+    tokens, head_dim]``, see :class:`~kvpatch.cache.held_tensors.HeldTensors`). kvpatch reads
+    the store itself.
     """
 
     def __init__(self, quantization: Quantization | None = None, **kwargs):
@@ -71,7 +74,7 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        checks.same_kind_of_keys(self.keys, key_states)
+        checks.same_kind_of_keys(self.full_width_keys(), key_states)
         if self.replay is not None or self.deferred is not None:
             return self._replay_view(key_states, value_states)
         first_forward = self.seen == 0
@@ -97,9 +100,9 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
     get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
+        self._clear()
         compat.clear_layer(self)
         super().reset()
-        self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         remove = compat.tokens_to_remove(tokens_to_remove, self.seen)
@@ -110,20 +113,20 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
         else:
             self.store.truncate_tail(remove)
-            self._expose_tail()
         self.seen -= remove
         if self.token_scores is not None:
             self.token_scores = self.token_scores[..., : self.seen]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+            like = self.full_width_keys()
+            rows = torch.arange(like.shape[0], device=like.device)
             self.batch_select_indices(rows.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        indices = indices.to(self.keys.device)
+        indices = indices.to(self.full_width_keys().device)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
         if self.store is None:
@@ -135,7 +138,6 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
             self.recent_queries = self.recent_queries[indices]
         if self.token_scores is not None:
             self.token_scores = self.token_scores[indices]
-        self._expose_tail()
 
     reorder_cache = batch_select_indices  # beam search's reordering
 
@@ -143,13 +145,12 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
         self._move("cpu")
 
     def prefetch(self):
-        if self.is_initialized and self.keys.device != self.device:
+        if self.is_initialized and self.full_width_keys().device != self.device:
             self._move(self.device)
 
     def _move(self, device) -> None:
         if self.store is not None:
             self.store.to(device)
-            self._expose_tail()
             if self.token_scores is not None:
                 self.token_scores = self.token_scores.to(device, non_blocking=True)
         elif self.is_initialized:
@@ -181,14 +182,15 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
         plan.check(inputs)
         reserve = None if decode_budget is None else decode_budget.interval
         tokens = inputs.num_tokens  # the prefill; tokens after it (candidates) join the tail
-        keys, values = self.keys[..., :tokens, :], self.values[..., :tokens, :]
+        keys, values = self._keys, self._values
         self.store = CompressedStore.from_plan(
-            keys, values, plan, inputs.head_valid, reserve, self.quantization
-        )
-        if self.keys.shape[-2] > tokens:
-            self.store.append(self.keys[..., tokens:, :], self.values[..., tokens:, :])
+            keys[..., :tokens, :], values[..., :tokens, :], plan, inputs.head_valid, reserve,
+            self.quantization,
+        )  # fmt: skip
+        if keys.shape[-2] > tokens:
+            self.store.append(keys[..., tokens:, :], values[..., tokens:, :])
         self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)
-        self._expose_tail()
+        self.keys = self.values = None  # the prefill's storage is freed: the store holds it
         if decode_budget is not None:
             self.recent_queries = recompress.recent(None, inputs.queries, policy.query_window)
 
@@ -211,7 +213,6 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
                 self.store, self.setup, self.recent_queries, self._held_scores()
             )
         self.store.append(key_states, value_states)
-        self._expose_tail()
         return self.store.attention_view(self)
 
     def remember_queries(self, queries: torch.Tensor) -> None:
@@ -242,7 +243,6 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
         """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail."""
         self.store = recompress.compress_segment(self.store, self.setup, keep)
         self.segment_queries = self.replay_attention = None
-        self._expose_tail()
 
     def held_inputs(self, keep_tokens: int | torch.Tensor) -> LayerInputs:
         """Everything held, scored by the recorded queries, to keep ``keep_tokens`` per head."""
@@ -254,10 +254,6 @@ class CompressedLayer(HiddenScores, Reconstructed, DynamicLayer):
         """Keep the ``keep`` slots of :meth:`held_inputs` (a prefill chunk compressed back)."""
         self.store = recompress.keep_held(self.store, self.setup, inputs, keep)
         self.segment_queries = None
-        self._expose_tail()
-
-    def _expose_tail(self) -> None:
-        self.keys, self.values = self.store.tail()
 
     # -- what is held --------------------------------------------------------------------------
 

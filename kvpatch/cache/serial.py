@@ -194,7 +194,6 @@ def _restore_compressed(layer: CompressedLayer, described: dict, own, decode_pol
     layer.token_scores = own.get("token_scores")
     if layer.token_scores is not None:
         layer.hidden_scorer = hidden_state_scorer(layer.setup.policy)
-    layer._expose_tail()
 
 
 def _restore_dense(layer: DynamicLayer, described: dict, own: Tensors) -> None:

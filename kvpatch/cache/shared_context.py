@@ -33,7 +33,7 @@ def can_share(cache: CompressedDynamicCache) -> bool:
     for layer in cache.compressed_layers:
         if layer.setup is not None and layer.setup.decode_budget is not None:
             return False
-        if layer.is_initialized and layer.keys.shape[0] != 1:
+        if layer.is_initialized and layer.full_width_keys().shape[0] != 1:
             return False
     return True
 
@@ -57,7 +57,6 @@ def _shared_layer(layer, rows: int):
         shared.setup = dataclasses.replace(layer.setup, position_offset=offset)
         shared.recent_queries = shared.segment_queries = None
         shared.token_scores = None  # the rows' tails are never compressed: no scores needed
-        shared._expose_tail()
     elif getattr(layer, "is_initialized", False):
         shared.batch_repeat_interleave(rows)  # assigns new tensors: ``layer`` keeps its own
     return shared

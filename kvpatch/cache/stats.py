@@ -126,10 +126,10 @@ def _is_sliding(layer) -> bool:
 def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
     if not layer.is_initialized:
         return LayerStats(False, 0, None, None, 0, 0)
-    b, h = layer.keys.shape[:2]
-    key_dim = layer.packed.head_dim if layer.is_compressed else layer.keys.shape[-1]
-    element = layer.keys.element_size()
-    full = b * h * layer.seen * (key_dim + layer.values.shape[-1]) * element
+    keys = layer.full_width_keys()
+    b, h, _, key_dim = keys.shape
+    value_dim = layer.store.tail()[1].shape[-1] if layer.is_compressed else layer.values.shape[-1]
+    full = b * h * layer.seen * (key_dim + value_dim) * keys.element_size()
     return LayerStats(
         compressed=layer.is_compressed,
         seen=layer.seen,
@@ -144,8 +144,8 @@ def _compressed_layer_stats(layer: CompressedLayer) -> LayerStats:
 def _kept_mask(layer: CompressedLayer) -> torch.Tensor:
     if layer.is_compressed:
         return layer.store.kept_mask()
-    b, h, _, _ = layer.keys.shape
-    return torch.ones(b, h, layer.seen, dtype=torch.bool, device=layer.keys.device)
+    keys = layer.full_width_keys()
+    return torch.ones(*keys.shape[:2], layer.seen, dtype=torch.bool, device=keys.device)
 
 
 def cache_nbytes(cache) -> int:

@@ -1,6 +1,7 @@
 """Every difference between the supported transformers releases, in one place.
 
-The rest of kvpatch calls these helpers instead of testing versions itself.
+The rest of kvpatch calls these helpers instead of testing versions itself
+(:mod:`kvpatch.compat.flash`: where transformers keeps its flash-attention functions).
 """
 
 from __future__ import annotations
@@ -8,14 +9,15 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import transformers
 from packaging.version import Version
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from kvpatch.compat.flash import flash_functions, flash_functions_installed  # noqa: F401
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
@@ -162,7 +164,7 @@ def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
     a GPU, and in 5.x (checked in 5.3, 5.15 and 5.24) preload an unknown flash name from the Hub.
     """
     current = attention_implementation(model)
-    renamed = uses_flash_attention(current) or _installed_flash is not None
+    renamed = uses_flash_attention(current) or flash_functions_installed()
     if name != current and uses_flash_attention(name) and renamed:
         configs = [model.config] + [
             module.config
@@ -205,6 +207,19 @@ def cache_argument(model: torch.nn.Module) -> str:
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
+def _dynamic_cache_implementations() -> tuple[str, ...]:
+    """The ``cache_implementation`` names of growing caches that a compressed cache stands in
+    for: ``dynamic``, and ``dynamic_full`` (every layer full attention) where this transformers
+    has it."""
+    from transformers.generation import configuration_utils
+
+    accepted = getattr(configuration_utils, "DYNAMIC_CACHE_IMPLEMENTATIONS", ("dynamic",))
+    return tuple(name for name in ("dynamic", "dynamic_full") if name in accepted)
+
+
+DYNAMIC_CACHE_IMPLEMENTATIONS = _dynamic_cache_implementations()
+
+
 def cache_of(output) -> object | None:
     """The cache a model or ``generate`` output carries (``cache`` from 5.24, else
     ``past_key_values``)."""
@@ -236,57 +251,6 @@ def rotary_function(model: torch.nn.Module) -> Callable | None:
         return cos[0].float(), sin[0].float()
 
     return cos_sin
-
-
-# Where transformers keeps the flash functions it loaded (4.56-5.24): the module globals below,
-# filled on first use. ``_loaded_implementation`` (5.0+) names what they are; 5.4+ adds the paged
-# kernel and its kwargs processor.
-_FLASH_GLOBALS = (
-    "_flash_fn",
-    "_flash_varlen_fn",
-    "_pad_fn",
-    "_unpad_fn",
-    "_process_flash_kwargs_fn",
-    "_loaded_implementation",
-    "_flash_with_kvcache_fn",
-    "_process_with_kvcache_kwargs_fn",
-)
-_installed_flash: tuple[Callable, Callable] | None = None
-
-
-@contextmanager
-def flash_functions(flash_attn_func: Callable, flash_attn_varlen_func: Callable) -> Iterator[None]:
-    """Make transformers' flash_attention_2 call these two functions (flash-attn's signatures) in
-    the block, as if flash-attn had been loaded; restores what was loaded before on exit."""
-    global _installed_flash
-    import transformers.modeling_flash_attention_utils as flash_utils
-
-    if _installed_flash is not None:
-        raise RuntimeError("flash functions are already installed; nest no second set")
-    saved = {
-        name: getattr(flash_utils, name) for name in _FLASH_GLOBALS if hasattr(flash_utils, name)
-    }
-    given = {
-        "_flash_fn": flash_attn_func,
-        "_flash_varlen_fn": flash_attn_varlen_func,
-        "_pad_fn": flash_utils._pad_input,
-        "_unpad_fn": flash_utils._unpad_input,
-        "_process_flash_kwargs_fn": flash_utils._lazy_define_process_function(
-            flash_attn_varlen_func
-        ),
-        "_loaded_implementation": "flash_attention_2",
-        "_flash_with_kvcache_fn": None,  # no paged cache: transformers then builds a dict
-        "_process_with_kvcache_kwargs_fn": dict,
-    }
-    for name in saved:
-        setattr(flash_utils, name, given[name])
-    _installed_flash = (flash_attn_func, flash_attn_varlen_func)
-    try:
-        yield
-    finally:
-        _installed_flash = None
-        for name, value in saved.items():
-            setattr(flash_utils, name, value)
 
 
 def tensor_parallel_kwargs(world_size: int) -> dict:
