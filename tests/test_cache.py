@@ -99,10 +99,10 @@ def test_select_rows_reorders_repeats_and_subsets():
     assert torch.equal(selected[1], rebuilt[1][:, :, :width])
 
 
-def compressed_cache(policy="think+ada-snapkv:0.6", length=300, steps=3):
+def compressed_cache(policy="think+ada-snapkv:0.6", length=300, steps=3, quantize=None):
     model = make_model("llama")
     with kvpatch.enabled(model, policy):
-        cache = CompressedDynamicCache(config=model.config)
+        cache = CompressedDynamicCache(config=model.config, quantize=quantize)
         greedy_logits(model, prompt(length), cache, steps)
     return cache
 
@@ -120,14 +120,28 @@ def test_lengths_logical_and_physical():
         assert (positions.diff() > 0).all() and positions[-1] == 302
 
 
-def test_crop_only_inside_the_tail():
+def test_crop_inside_the_tail_in_place_and_deeper_by_position():
+    """A crop within the tail truncates it in place; a deeper one (a draft model's cache, fed its
+    last accepted token again) keeps, of each head, what it held before the new end."""
     cache = compressed_cache(steps=3)
     layer = cache.layers[0]
-    tail = layer.store.tail_length
+    store, tail = layer.store, layer.store.tail_length
     cache.crop(-2)
-    assert cache.get_seq_length() == 301 and layer.store.tail_length == tail - 2
-    with pytest.raises(ValueError, match="cannot crop"):
-        cache.crop(-(tail + 5))
+    assert cache.get_seq_length() == 301 and layer.store is store
+    assert layer.store.tail_length == tail - 2
+    before = [cache.stats().layers[0].kept_positions(0, h) for h in range(2)]
+    cache.crop(-(tail + 5))
+    end = 301 - tail - 5
+    assert cache.get_seq_length() == end and layer.store.tail_length == 0
+    for head, kept in enumerate(before):
+        assert torch.equal(cache.stats().layers[0].kept_positions(0, head), kept[kept < end])
+
+
+def test_a_crop_into_a_quantized_caches_compressed_part_is_refused():
+    cache = compressed_cache(policy="snapkv:0.6", quantize="int8")
+    tail = cache.layers[0].store.tail_length
+    with pytest.raises(ValueError, match=r"cannot crop .* quantized"):
+        cache.crop(-(tail + 1))
 
 
 def test_plan_that_keeps_everything_at_full_width():

@@ -54,6 +54,8 @@ def stand_in_checkout(root: Path) -> Path:
     tests = root / "tests" / "models" / "llama"
     tests.mkdir(parents=True)
     (tests / "test_modeling_llama.py").write_text(MODEL_TESTS)
+    for package in (tests, tests.parent, tests.parent.parent):  # packages, as in transformers
+        (package / "__init__.py").write_text("")
     return root
 
 

@@ -274,9 +274,9 @@ def test_a_layers_keys_at_ratio_0_are_a_dynamic_caches(policy):
 
 
 def test_a_compressed_layers_keys_are_what_it_holds_and_never_read_while_decoding(monkeypatch):
-    """Compressed, ``layer.keys`` holds each head's kept tokens (the stock cache's at the kept
-    positions, zeros after a shorter head's); building it is for readers outside kvpatch:
-    generation never does."""
+    """Compressed, ``layer.keys`` lays each head's kept tokens out at their positions (the stock
+    cache's keys there), zeros where a head holds nothing, padding included; building it is for
+    readers outside kvpatch: generation never does."""
     import torch
 
     import kvpatch
@@ -284,9 +284,12 @@ def test_a_compressed_layers_keys_are_what_it_holds_and_never_read_while_decodin
     from kvpatch.testing import random_prompt, tiny_model
 
     model = tiny_model(key_scale=4.0)
-    ids = random_prompt(200)
+    ids = random_prompt(200, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :15] = 0  # left padding
+    mask[0, 50:53] = 0  # and a hole, as transformers' tests' random masks have
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-    stock = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+    stock = kvpatch.compat.cache_of(model.generate(ids, attention_mask=mask, **kwargs))
     reads = []
     original = held_tensors.HeldTensors.keys
 
@@ -297,17 +300,65 @@ def test_a_compressed_layers_keys_are_what_it_holds_and_never_read_while_decodin
 
     monkeypatch.setattr(held_tensors.HeldTensors, "keys", property(counted, original.fset))
     with kvpatch.enabled(model, "ada-snapkv:0.6"):
-        ours = kvpatch.compat.cache_of(model.generate(ids, **kwargs))
+        ours = kvpatch.compat.cache_of(model.generate(ids, attention_mask=mask, **kwargs))
     assert reads == []
     layer, expected = ours.layers[1], stock.layers[1]
-    held = layer.physical_lengths()[0]
-    assert held.unique().numel() > 1  # heads of different lengths
+    assert layer.physical_lengths()[0].unique().numel() > 1  # heads of different lengths
     keys = layer.keys
-    assert keys.shape[-2] == int(held.max())
+    assert keys.shape == expected.keys.shape  # every position, as transformers lays them out
     stats = ours.stats().layers[1]
-    for head in range(keys.shape[1]):
-        kept = stats.kept_positions(0, head)
-        rows = keys[0, head][keys[0, head].ne(0).any(-1)]  # padding is rows of zeros
-        assert len(rows) == len(kept)
-        prompt = kept < ids.shape[1]  # the decoded tokens' keys depend on what was kept
-        torch.testing.assert_close(rows[prompt], expected.keys[0, head, kept[prompt]])
+    for row in range(2):
+        for head in range(keys.shape[1]):
+            kept = stats.kept_positions(row, head)
+            assert mask[row, kept[kept < 200]].all()  # padding is never held
+            prompt = kept[kept < 200]  # the decoded tokens' keys depend on what was kept
+            torch.testing.assert_close(keys[row, head, prompt], expected.keys[row, head, prompt])
+            others = torch.ones(keys.shape[-2], dtype=torch.bool)
+            others[kept] = False
+            assert (keys[row, head, others] == 0).all()
+
+
+@pytest.mark.parametrize("draft_policy", ["snapkv:0", "ada-snapkv:0.5", "think:0.5+snapkv:0.5"])
+@pytest.mark.parametrize("length", [1, 9, 40, 300])
+def test_assisted_decoding_with_an_enabled_draft_model(draft_policy, length):
+    """transformers crops a draft model's cache one token into its prompt (the last accepted
+    token is fed again): with the draft enabled too, even compressed, assisted greedy decoding
+    gives the main model's own greedy tokens; the main model as its own assistant too."""
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model, draft = tiny_model(key_scale=4.0), tiny_model(seed=5, key_scale=4.0)
+    for assistant in (model, draft):  # two candidates a round, as transformers' tests ask
+        assistant.generation_config.num_assistant_tokens = 2
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = random_prompt(length, seed=3)
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    kwargs.update(eos_token_id=model.config.vocab_size - 1)
+    stock = model.generate(ids, **kwargs)
+    with kvpatch.enabled(model, "snapkv:0"), kvpatch.enabled(draft, draft_policy):
+        assert torch.equal(model.generate(ids, assistant_model=draft, **kwargs), stock)
+        assert torch.equal(model.generate(ids, assistant_model=model, **kwargs), stock)
+
+
+@pytest.mark.parametrize("policy", ["ada-snapkv:0.5", "think:0.5+snapkv:0.5", "snapkv:0"])
+def test_a_crop_into_the_compressed_part_keeps_what_each_head_held_before_the_new_end(policy):
+    import torch
+
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model = tiny_model(key_scale=4.0)
+    with kvpatch.enabled(model, policy):
+        context = kvpatch.prefill(model, random_prompt(200))
+        cache = context.copy_cache()
+    before = cache.stats().layers[1]
+    keys_before = cache.layers[1].keys.clone()
+    cache.crop(-30)  # 30 of the prefill's tokens
+    after = cache.stats().layers[1]
+    assert cache.get_seq_length() == 170 and after.seen == 170
+    for head in range(keys_before.shape[1]):
+        kept = before.kept_positions(0, head)
+        assert torch.equal(after.kept_positions(0, head), kept[kept < 170])
+    torch.testing.assert_close(cache.layers[1].keys, keys_before[:, :, :170])

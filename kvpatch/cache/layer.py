@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvpatch import checks, compat
-from kvpatch.cache import recompress
+from kvpatch.cache import crop, recompress
 from kvpatch.cache.held_tensors import HeldTensors
 from kvpatch.cache.hidden_scores import HiddenScores
 from kvpatch.cache.packed import PackedKV, storage_nbytes
@@ -112,7 +112,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
         else:
-            self.store.truncate_tail(remove)
+            self.store = crop.crop(self.store, remove)
         self.seen -= remove
         if self.token_scores is not None:
             self.token_scores = self.token_scores[..., : self.seen]

@@ -3,12 +3,14 @@
 Load it into a suite kvpatch did not write (transformers' own model tests) to judge kvpatch by
 that suite's expectations::
 
-    KVPATCH_POLICY=snapkv:0 python -m pytest -p tests.external.kvpatch_plugin PATH/tests/...
+    KVPATCH_POLICY=snapkv:0 python -m pytest -p kvpatch_plugin PATH/tests/...
 
-with this repository's root on ``PYTHONPATH``. Every model whose class can ``generate`` gets
-``kvpatch.enable(model, KVPATCH_POLICY)`` as its ``__init__`` ends (``post_init``), so that
-whatever the test does next (moving it, switching its attention implementation, generating)
-happens to an enabled model. Without ``KVPATCH_POLICY`` the plugin does nothing.
+with this folder and this repository's root on ``PYTHONPATH`` (the plugin goes by its own name:
+transformers' checkout has a ``tests`` package of its own). Every model whose class can
+``generate`` gets ``kvpatch.enable(model, KVPATCH_POLICY)`` as its ``__init__`` ends
+(``post_init``), so that whatever the test does next (moving it, switching its attention
+implementation, generating) happens to an enabled model. Without ``KVPATCH_POLICY`` the plugin
+does nothing.
 """
 
 from __future__ import annotations

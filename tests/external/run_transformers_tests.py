@@ -25,7 +25,9 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = "tests.external.kvpatch_plugin"
+HERE = Path(__file__).resolve().parent
+# loaded by its own name from this folder: transformers' checkout has a ``tests`` package too
+PLUGIN = "kvpatch_plugin"
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -62,16 +64,20 @@ def source_version(source: Path) -> str | None:
 
 
 def run_pytest(source: Path, test_file: Path, junit: Path, policy: str | None, extra: list[str]):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(source)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(source)])}
     env.pop("KVPATCH_POLICY", None)
     command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"]
     command += ["--junitxml", str(junit), "-o", "addopts=", *extra]
     if policy is not None:
         env["KVPATCH_POLICY"] = policy
         command += ["-p", PLUGIN]
-    subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
+    junit.unlink(missing_ok=True)  # a report left by an earlier run is not this one's
+    done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
     if not junit.exists():
-        raise RuntimeError(f"pytest wrote no report for {test_file} (policy {policy})")
+        raise RuntimeError(
+            f"pytest wrote no report for {test_file} (policy {policy}):\n"
+            f"{(done.stdout + done.stderr)[-2000:]}"
+        )
     return outcomes(junit)
 
 
