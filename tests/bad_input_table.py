@@ -1,7 +1,7 @@
-"""Rewrite the README's bad-input table from the cases of ``test_bad_input.py``.
+"""Rewrite the bad-input table (docs/bad-input.md) from the cases of ``test_bad_input.py``.
 
 Each case runs; an error row shows the exception and its message, a defined behaviour the text
-below. ``test_the_readme_table_lists_every_case`` then checks that the table and the cases agree.
+below. ``test_the_table_lists_every_case`` then checks that the table and the cases agree.
 
     cd tests && python bad_input_table.py
 """
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 
-from test_bad_input import CASES, README
+from test_bad_input import CASES, TABLE
 
 #: what the cases without an error do (each checks it itself)
 DEFINED = {
@@ -61,9 +60,10 @@ def row(case) -> str:
 def main() -> None:
     warnings.filterwarnings("ignore")
     table = "\n".join([HEADER, "|---|---|---|", *(row(case) for case in CASES)])
-    text = Path(README).read_text()
-    start, end = text.index(HEADER), text.index("\n\n## How it works")
-    Path(README).write_text(text[:start] + table + text[end:])
+    text = TABLE.read_text()
+    start = text.index(HEADER)
+    end = text.find("\n\n", start) % (len(text) + 1)  # at the first blank line, or the end
+    TABLE.write_text(text[:start] + table + text[end:])
 
 
 if __name__ == "__main__":
