@@ -198,3 +198,74 @@ def test_prefill_in_chunks(tmp_path):
         EvalConfig(model="tiny", policies=["kvzip"], prefill_chunk=64)
     with pytest.raises(ValueError, match="positive integer"):
         EvalConfig(model="tiny", prefill_chunk=0)
+
+
+TIMINGS = ("prefill_s", "decode_s", "decode_tok_s", "compress_s")
+
+
+def _answers(records: list[dict]) -> list[tuple]:
+    """What a run measured, without its timings (which differ from run to run)."""
+    return [
+        tuple(
+            sorted(
+                (k, json.dumps(v))
+                for k, v in r.items()
+                if not k.endswith("_s") and k not in TIMINGS
+            )
+        )
+        for r in records
+    ]
+
+
+def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
+    tmp_path, monkeypatch, capsys
+):
+    from kvpatch.eval import journal
+
+    args = [
+        "--model", "tiny", "--policies", "snapkv", "knorm", "--ratios", "0.5", "--samples", "2",
+        "--context-tokens", "200", "--no-progress", "--no-plot",
+    ]  # fmt: skip
+    assert main([*args, "--output", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["records"]
+    assert len(whole) == 2 * 2 * 3  # samples x modes x (full, snapkv, knorm)
+    capsys.readouterr()
+
+    stopped = tmp_path / "stopped"
+    original, added = journal.Journal.add, []
+
+    def stop_after_seven(self, record):
+        if len(added) == 7:
+            raise KeyboardInterrupt
+        added.append(record)
+        original(self, record)
+
+    monkeypatch.setattr(journal.Journal, "add", stop_after_seven)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--output", str(stopped)])
+    monkeypatch.setattr(journal.Journal, "add", original)
+    lines = (stopped / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 7  # the settings, then every answer as it finished
+    # the first context (6 answers) was done: its tables were written
+    partial = json.loads((stopped / "results.json").read_text())["records"]
+    assert _answers(partial) == _answers([r for r in whole if r["sample"] == 0])
+    assert "should take about" in capsys.readouterr().err  # the estimate after that context
+
+    assert main([*args, "--output", str(stopped), "--resume"]) == 0
+    resumed = json.loads((stopped / "results.json").read_text())["records"]
+    assert _answers(resumed) == _answers(whole)
+    assert len((stopped / "records.jsonl").read_text().splitlines()) == 1 + len(whole)
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
+    args = [
+        "--model", "tiny", "--policies", "snapkv", "--ratios", "0.5", "--samples", "1",
+        "--context-tokens", "200", "--no-progress", "--no-plot", "--output", str(tmp_path),
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert main([*args, "--resume", "--seed", "3"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot resume" in error and "seed: 0 there, 3 now" in error
+    (tmp_path / "records.jsonl").write_text("not json\n")
+    assert main([*args, "--resume"]) == 2
+    assert "not an evaluation journal" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from kvpatch.eval.config import (
     EvalConfig,
     load_model,
 )
+from kvpatch.eval.journal import CannotResume
 from kvpatch.eval.report import format_accuracy_grid, format_table
 from kvpatch.eval.run import run_eval
 from kvpatch.eval.tasks import TASKS
@@ -117,8 +118,24 @@ def parser() -> argparse.ArgumentParser:
         help="store compressed caches' kept tokens as 8- or 4-bit integers "
         "(CompressedDynamicCache(quantize=...)); implies --separate-prefills",
     )
-    p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a stopped run in --output: the answers its records.jsonl holds are kept "
+        "and only the rest is run (the settings must be the same; default: start anew)",
+    )
+    p.add_argument(
+        "--no-plot",
+        dest="plot",
+        action="store_false",
+        help="write no results.png (default: written when matplotlib is installed)",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (default: a tqdm bar on stderr)",
+    )
     return p  # fmt: skip
 
 
@@ -138,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DemoModelUnavailable, ValueError) as error:
         print(f"kvpatch-eval: error: {error}", file=sys.stderr)
         return 1
-    result = run_eval(config, model, codec)
+    try:
+        result = run_eval(config, model, codec)
+    except CannotResume as error:
+        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        return 2
     summary = result["summary"]
     print(format_table(summary))
     print()

@@ -59,6 +59,9 @@ class EvalConfig:
     #: ``chat`` (the tokenizer's chat template) or ``completion`` (plain text ending in the start
     #: of the answer, for base models); None: ``chat`` if the tokenizer has a chat template
     prompt_format: str | None = None
+    #: continue the run journaled in ``output`` (``records.jsonl``): its answers are kept, only
+    #: the rest is run; the settings must be the same
+    resume: bool = False
 
     def __post_init__(self) -> None:
         for task in self.tasks:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import sys
+import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +21,7 @@ from kvpatch.eval.answer import (
 )
 from kvpatch.eval.codecs import Codec, HFCodec
 from kvpatch.eval.config import FULL, MODES, EvalConfig, load_model, with_ratio
+from kvpatch.eval.journal import Journal
 from kvpatch.eval.report import write_outputs
 from kvpatch.eval.scoring import summarize
 from kvpatch.eval.tasks import Sample, make_samples
@@ -27,7 +30,11 @@ from kvpatch.eval.tasks import Sample, make_samples
 def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict:
     """Run everything in ``config``; returns ``{"config", "summary", "records"}`` and writes the
     table (``results.md``), ``results.csv``, ``results.json`` and ``results.png`` to
-    ``config.output``."""
+    ``config.output``.
+
+    Every answer is journaled as it finishes (``records.jsonl``) and the tables are rewritten
+    after each context, so a stopped run leaves what it finished; ``config.resume`` continues
+    it. After the first context, the expected duration of the whole run is printed."""
     if model is None:
         model, codec = load_model(
             config.model, config.attn_implementation, config.dtype, config.prompt_format
@@ -38,43 +45,95 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
         config.tasks, codec, config.context_tokens, config.samples, config.seed,
         digits=config.digits,
     )  # fmt: skip
-    runner = _Runner(config, model, codec)
+    # the format the prompts were laid out in (None in the config: the codec's choice)
+    settings = {**asdict(config), "prompt_format": codec.prompt_format}
+    output = Path(config.output)
+    journal = Journal.open(output, settings, config.resume)
+    runner = _Runner(config, model, codec, journal)
     total = len(runner.runs) * len(config.modes) * len(samples)
     runner.progress = _progress(total, config.progress)
+    runner.progress.update(len(journal.records))
+    clock = _Estimate(total, len(journal.records))
     was_enabled = kvpatch.is_enabled(model)
     try:
         if not was_enabled:
             kvpatch.enable(model)  # stock attention on stock caches; each cache its policy
         for indexed in context_groups(samples):
-            runner.run_group(indexed)
+            if runner.run_group(indexed):
+                clock.after_context(len(journal.records))
+                write_outputs(_result(settings, journal.records), output, plot=False)
     finally:
         runner.progress.close()
         if was_enabled and not kvpatch.is_enabled(model):
             kvpatch.enable(model)
         elif not was_enabled and kvpatch.is_enabled(model):
             kvpatch.disable(model)
-    records = sorted(
-        runner.records, key=lambda r: (r["task"], MODES.index(r["mode"]), r["policy"] != FULL)
-    )
-    # the format the prompts were laid out in (None in the config: the codec's choice)
-    settings = {**asdict(config), "prompt_format": codec.prompt_format}
-    result = {"config": settings, "summary": summarize(records), "records": records}
-    write_outputs(result, Path(config.output), plot=config.plot)
+    result = _result(settings, journal.records)
+    write_outputs(result, output, plot=config.plot)
     return result
+
+
+def _result(settings: dict, records: list[dict]) -> dict:
+    """Records in the order a run without a stop makes them: by task, mode, the configuration's
+    policy and ratio order, then sample."""
+    runs = [FULL] + [with_ratio(p, r) for p in settings["policies"] for r in settings["ratios"]]
+    rank = {spec: i for i, spec in enumerate(runs)}
+    records = sorted(
+        records,
+        key=lambda r: (r["task"], MODES.index(r["mode"]), rank.get(r["spec"], 0), r["sample"]),
+    )
+    return {"config": settings, "summary": summarize(records), "records": records}
+
+
+class _Estimate:
+    """Prints, once the first context with new answers is done, how long the run should take."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done_before = total, done
+        self.start, self.printed = time.perf_counter(), False
+
+    def after_context(self, done: int) -> None:
+        new = done - self.done_before
+        if self.printed or new <= 0:
+            return
+        self.printed = True
+        seconds = time.perf_counter() - self.start
+        left = seconds / new * (self.total - done)
+        print(
+            f"kvpatch-eval: {new} answers in {seconds:.0f} s; the {self.total - done} left should "
+            f"take about {_duration(left)} (stopped, `--resume` continues it)",
+            file=sys.stderr,
+        )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 class _Runner:
     """Runs the samples of one context through every mode, policy and ratio."""
 
-    def __init__(self, config: EvalConfig, model, codec: Codec):
-        self.config, self.model, self.codec = config, model, codec
+    def __init__(self, config: EvalConfig, model, codec: Codec, journal: Journal):
+        self.config, self.model, self.codec, self.journal = config, model, codec, journal
         self.runs = [(FULL, 0.0)] + [(p, r) for p in config.policies for r in config.ratios]
         # KVzip's repeat prompt needs a tokenizer; the byte codec is one
         self.tokenizer = codec.tokenizer if isinstance(codec, HFCodec) else codec
-        self.records: list[dict] = []
         self.progress = None
 
-    def run_group(self, indexed: list[tuple[int, Sample]]) -> None:
+    def run_group(self, indexed: list[tuple[int, Sample]]) -> bool:
+        """Answer what the journal lacks of one context's samples; False if nothing was left."""
+        left = [
+            (mode, policy, ratio)
+            for mode in self.config.modes
+            for policy, ratio in self.runs
+            if any(not self.journal.is_done(mode, policy, ratio, i) for i, _ in indexed)
+        ]
+        if not left:
+            return False
         group = [sample for _, sample in indexed]
         prefills = None
         if self.config.shared_prefill:
@@ -89,25 +148,27 @@ class _Runner:
                 kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device), hidden)
                 for s in asked
             ]
-        for mode in self.config.modes:
-            for policy, ratio in self.runs:
-                spec = None if policy == FULL else with_ratio(policy, ratio)
-                context_cache, context_s = None, 0.0
-                # one compressed context, copied for each question; a chat turn by turn
-                if mode == "agnostic" and (len(group) > 1 or group[0].turns):
-                    shared = prefills[0] if prefills else None
-                    context_cache, context_s = build_context_cache(
-                        self.model, group[0], spec, shared, self.tokenizer,
-                        self.config.prefill_options(),
-                    )  # fmt: skip
-                for offset, (index, sample) in enumerate(indexed):
-                    prefill = None
-                    if prefills:
-                        prefill = prefills[offset if mode == "prefill" else 0]
-                    result = self.answer(sample, prefill, spec, mode, context_cache)
-                    if context_cache is not None:
-                        result["prefill_s"] += context_s
-                    self.record(index, sample, mode, policy, ratio, spec, result)
+        for mode, policy, ratio in left:
+            spec = None if policy == FULL else with_ratio(policy, ratio)
+            context_cache, context_s = None, 0.0
+            # one compressed context, copied for each question; a chat turn by turn
+            if mode == "agnostic" and (len(group) > 1 or group[0].turns):
+                shared = prefills[0] if prefills else None
+                context_cache, context_s = build_context_cache(
+                    self.model, group[0], spec, shared, self.tokenizer,
+                    self.config.prefill_options(),
+                )  # fmt: skip
+            for offset, (index, sample) in enumerate(indexed):
+                if self.journal.is_done(mode, policy, ratio, index):
+                    continue
+                prefill = None
+                if prefills:
+                    prefill = prefills[offset if mode == "prefill" else 0]
+                result = self.answer(sample, prefill, spec, mode, context_cache)
+                if context_cache is not None:
+                    result["prefill_s"] += context_s
+                self.record(index, sample, mode, policy, ratio, spec, result)
+        return True
 
     def answer(self, sample: Sample, prefill, spec, mode: str, context_cache) -> dict:
         limit = new_tokens_for(sample, self.config.digits)
@@ -123,7 +184,7 @@ class _Runner:
 
     def record(self, index, sample, mode, policy, ratio, spec, result) -> None:
         text = self.codec.decode(result.pop("tokens"))
-        self.records.append(
+        self.journal.add(
             {
                 "task": sample.task,
                 "mode": mode,
