@@ -72,6 +72,7 @@ class CompressedContext:
 
         ``ids`` is ``[batch, tokens]`` (or 1-D for a batch of one), all real tokens.
         """
+        self._check_enabled()
         ids = self._as_batch(ids, "ids")
         cache = self.copy_cache()
         input_ids = torch.cat([self.input_ids, ids], dim=-1)
@@ -83,6 +84,16 @@ class CompressedContext:
         else:
             logits = compress_appended(self.model, cache, input_ids, mask, start, get_tokenizer)
         return CompressedContext(self.model, input_ids, mask, cache, logits)
+
+    def _check_enabled(self) -> None:
+        """Only kvpatch's attention reads a compressed cache: the stock one would fail obscurely
+        (its mask spans every position seen, the cache holds fewer)."""
+        if not is_enabled(self.model):
+            raise ValueError(
+                "this context is held in a compressed cache, which only a model enabled with "
+                "kvpatch can read, and its model is no longer enabled: call "
+                "kvpatch.enable(model) again before asking it"
+            )
 
     def _as_batch(self, ids: torch.Tensor, name: str) -> torch.Tensor:
         ids, _ = checks.token_batch(ids, name=name)
@@ -100,6 +111,7 @@ class CompressedContext:
         ``question_ids`` is ``[batch, question_tokens]`` (or 1-D for a batch of one). Returns the
         generated tokens only, ``[batch, new_tokens]``.
         """
+        self._check_enabled()
         question_ids = self._as_batch(question_ids, "question_ids")
         ids = torch.cat([self.input_ids, question_ids], dim=-1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question_ids)], dim=-1)
@@ -116,6 +128,7 @@ class CompressedContext:
         budget, assisted decoding and streaming (which transformers runs on one batch row)
         answer one question after another instead.
         """
+        self._check_enabled()
         questions = [self._question(q, i) for i, q in enumerate(questions)]
         if not questions:
             return []

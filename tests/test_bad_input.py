@@ -53,6 +53,12 @@ def _context():
     return kvpatch.prefill(_enabled(), prompt(50))
 
 
+def _disabled_context():
+    context = _context()
+    kvpatch.disable(context.model)
+    return context
+
+
 def _padded_batch():
     ids = prompt(40, batch=2)
     mask = torch.ones_like(ids)
@@ -297,6 +303,9 @@ CASES = [
     Case("generate", "fp16 weights", _half_precision(torch.float16), None),
     Case("CompressedContext.generate", "another batch size", lambda: _context().generate(prompt(3, batch=2)), ValueError, "batch size"),
     Case("CompressedContext.generate", "an empty question", lambda: _context().generate(prompt(3)[:, :0]), ValueError, "at least one token"),
+    Case("CompressedContext.generate", "its model disabled since", lambda: _disabled_context().generate(prompt(3)), ValueError, "no longer enabled"),
+    Case("CompressedContext.generate_many", "its model disabled since", lambda: _disabled_context().generate_many([prompt(3)[0]]), ValueError, "no longer enabled"),
+    Case("CompressedContext.extend", "its model disabled since", lambda: _disabled_context().extend(prompt(3)), ValueError, "no longer enabled"),
     Case("CompressedContext.extend", "token ids as a list", lambda: _context().extend([1, 2]), TypeError, "torch.Tensor"),
     Case("pipeline", "no question", lambda: _ask(context="a text")(), ValueError, "question= or questions="),
     Case("pipeline", "an empty context", lambda: _ask(context="", question="why?", policy="snapkv")(), ValueError, "non-empty text"),

@@ -8,6 +8,7 @@ them when the model is cached) and skipped unless the demo model is cached
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -86,11 +87,14 @@ def test_ask_many_example(real_model, capsys):
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "examples" / "ask_many.py"
-    runpy.run_path(str(script), run_name="example")["main"](["--context-tokens", "1000"])
+    runpy.run_path(str(script), run_name="example")["main"]([])
     printed = capsys.readouterr().out
     assert printed.count("expected") == 4
     assert printed.count("(right)") + printed.count("(wrong)") == 8  # compressed and full
-    assert printed.count("(25%)") == 2
+    # the full cache answers every question: the example asks what the model can do
+    assert all("(right)" in line for line in printed.splitlines() if "full cache:" in line)
+    shares = [int(share) for share in re.findall(r"\((\d+)%\)", printed)]
+    assert len(shares) == 2 and all(20 <= share <= 30 for share in shares)  # r = 0.75
 
 
 def unpatched_replies(model, tokenizer, turns: list[str], new_tokens: int) -> list[str]:
