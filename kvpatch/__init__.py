@@ -21,6 +21,7 @@ from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.pipeline import CompressedQAPipeline
 from kvpatch.pipeline import register as _register_pipeline
 from kvpatch.policies import (
+    DEFAULT_POLICY,
     TOVA,
     AdaKV,
     ExpectedAttention,
@@ -47,6 +48,7 @@ from kvpatch.shared_prefill import SharedPrefill
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_POLICY",
     "TOVA",
     "AdaKV",
     "CacheStats",

@@ -23,6 +23,7 @@ import torch
 import kvpatch
 from kvpatch.demo import DemoModelUnavailable
 from kvpatch.loading import add_model_options, load_model
+from kvpatch.policies import DEFAULT_POLICY
 
 FULL = "full"
 T = TypeVar("T")
@@ -135,8 +136,9 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpatch bench", description=description)
     add_model_options(parser, None, new_tokens=False)
     parser.add_argument(
-        "--policies", nargs="+", default=["snapkv:0.75"],
-        help="the policies timed against the full cache (default: %(default)s)",
+        "--policies", nargs="+", default=[DEFAULT_POLICY],
+        help="the policies timed against the full cache (default: %(default)s, the default of "
+        "the other commands)",
     )  # fmt: skip
     parser.add_argument(
         "--context", type=int, default=2048, help="prompt tokens (default: %(default)s)"

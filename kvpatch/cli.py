@@ -1,6 +1,6 @@
 """The ``kvpatch`` command: ``generate``, ``chat``, ``compress``, ``ask``, ``eval`` and ``bench``.
 
-    kvpatch generate "Summarise: ..." --policy ada-span-snapkv:0.5
+    kvpatch generate "Summarise: ..." --policy ada-span-snapkv:0.75
     kvpatch chat                      # the embedded SmolLM2, a compressed history
     kvpatch compress report.txt --out report.kvz      # compress a document once, to a file
     kvpatch ask report.kvz "Who wrote it?" "When?"     # answer from it, in any later process
@@ -29,9 +29,22 @@ from kvpatch.loading import (
     add_new_tokens_option,
     load_model,
 )
+from kvpatch.policies import DEFAULT_POLICY
 
 #: ``kvpatch chat``'s history bound, tokens per head
 CHAT_BUDGET = 2048
+#: why :data:`kvpatch.DEFAULT_POLICY` is the commands' default, for ``--help``
+DEFAULT_REASON = (
+    "the default of every command but compress, and of the pipeline: KeyDiff reads no query, so "
+    "it keeps facts whether the question is in the prompt or comes later, with no extra pass; "
+    "its window keeps a short prompt whole"
+)
+#: ``kvpatch compress``'s default: a context compressed once and asked many times
+COMPRESS_POLICY = "global-kvzip:0.75"
+COMPRESS_REASON = (
+    "a context compressed once and asked many times is worth KVzip's extra pass at prefill, "
+    "which keeps the most facts at a quarter of the bytes"
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,11 +66,11 @@ def parser() -> argparse.ArgumentParser:
         "--quantize", choices=["int8", "int4"],
         help="store the kept tokens as integers (default: in the model's dtype)",
     )  # fmt: skip
-    add_model_options(generate, "ada-span-snapkv:0.5")
+    add_model_options(generate, DEFAULT_POLICY, reason=DEFAULT_REASON)
     chat = commands.add_parser(
         "chat", help="a conversation on one compressed cache; turns from stdin, one per line"
     )
-    add_model_options(chat, "keydiff:0.5")
+    add_model_options(chat, DEFAULT_POLICY, reason=DEFAULT_REASON)
     chat.add_argument(
         "--max-kv-tokens", type=int, default=CHAT_BUDGET,
         help="keep each turn whole and the history within this many tokens per head, the older "
@@ -69,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     )
     compress.add_argument("file", help="the document, a text file")
     compress.add_argument("--out", required=True, help="the context file to write (e.g. doc.kvz)")
-    add_model_options(compress, "global-kvzip:0.75", new_tokens=False)
+    add_model_options(compress, COMPRESS_POLICY, new_tokens=False, reason=COMPRESS_REASON)
     ask = commands.add_parser("ask", help="answer questions from a file of `kvpatch compress`")
     ask.add_argument("context_file", help="a file written by kvpatch compress")
     ask.add_argument("questions", nargs="+", help="one or more questions")

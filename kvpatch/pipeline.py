@@ -29,7 +29,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from kvpatch.chat import split_turn
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import enabled, is_enabled
-from kvpatch.policies import parse_policy
+from kvpatch.policies import DEFAULT_POLICY, parse_policy
 
 TASK = "kvpatch-text-generation"
 
@@ -40,8 +40,8 @@ class CompressedQAPipeline(Pipeline):
     Parameters (given to ``pipeline(...)`` or to each call)
     ----------
     policy : str or Policy
-        What to keep of the context (e.g. ``"snapkv:0.75"``); on an enabled model, default its
-        own policy.
+        What to keep of the context (e.g. ``"global-kvzip:0.75"``); by default the enabled
+        model's own policy, else :data:`kvpatch.DEFAULT_POLICY` (``keydiff:0.5/window=64``).
     chat_template : bool, default True
         Put the context and question into the tokenizer's chat template (when it has one).
     separator : str, default "\\n\\n"
@@ -97,10 +97,7 @@ class CompressedQAPipeline(Pipeline):
         if options.get("pad_token_id") is None and self.tokenizer.pad_token_id is not None:
             options["pad_token_id"] = self.tokenizer.pad_token_id
         if not is_enabled(model) and policy is None:
-            raise ValueError(
-                f"{TASK} needs a policy: pipeline({TASK!r}, ..., policy='snapkv:0.5') or a "
-                "model enabled with one (kvpatch.enable(model, policy))"
-            )
+            policy = parse_policy(DEFAULT_POLICY)
         # a model enabled here is disabled after; an enabled one is left as it is
         scope = (
             contextlib.nullcontext()

@@ -29,6 +29,9 @@ DEFINED = {
         "used as given, uncompressed: `kvpatch.enable(model)` without a policy compresses only "
         "`CompressedDynamicCache`s that carry one"
     ),
+    ("pipeline", "no policy, on a model not enabled"): (
+        "compresses with `kvpatch.DEFAULT_POLICY` (`keydiff:0.5/window=64`), the commands' default"
+    ),
     ("kvpatch command", "no prompt (exit status 2)"): (
         "`kvpatch generate: error: give the prompt as an argument or with --prompt-file (one of "
         "them)` on stderr, exit status 2"

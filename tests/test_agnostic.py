@@ -440,6 +440,23 @@ def test_keydiff_matches_reference():
             torch.testing.assert_close(scores[b, h, real].double(), expected, atol=1e-6, rtol=0)
 
 
+def test_keydiff_with_a_window_keeps_each_rows_newest_tokens_and_ranks_the_rest_alike():
+    """``window=w`` protects the last ``w`` real tokens of every row (left padding included) and
+    leaves the other tokens' scores, hence their order, those of the published KeyDiff."""
+    gen = seeded(2)
+    keys = torch.randn(2, 2, 30, 8, generator=gen)
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, :6] = False
+    inputs = LayerInputs(torch.randn(2, 4, 30, 8), keys, keys, valid, scaling=1.0)
+    plain, windowed = KeyDiff().score(inputs), KeyDiff(window=5).score(inputs)
+    assert torch.isinf(windowed[..., -5:]).all()
+    torch.testing.assert_close(windowed[..., :-5], plain[..., :-5])
+    keep = KeyDiff(ratio=0.8, window=5).plan(inputs).keep  # a budget of 6 (row 0) or 5 tokens
+    assert keep[..., -5:].all()
+    with pytest.raises(ValueError, match="window"):
+        KeyDiff(window=-1)
+
+
 # -- what cannot work says so ------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 import kvpatch
+from kvpatch import DEFAULT_POLICY
 from kvpatch.testing import save_tiny_checkpoint
 
 CONTEXT = "The report says the code word is 'amber lake'. " + "Nothing else happens here. " * 12
@@ -72,15 +73,26 @@ def test_pipeline_reports_the_compressed_bytes(loaded):
         (lambda ask: ask(context="", question="a"), "non-empty text"),
         (lambda ask: ask(context=CONTEXT, questions=[]), "non-empty strings"),
         (lambda ask: ask(context=CONTEXT, question="a", policy="snapvk"), "Did you mean"),
-        (lambda ask: ask(context=CONTEXT, question="a"), "needs a policy"),
     ],
-    ids=["no-question", "both", "no-context", "empty-questions", "bad-policy", "no-policy"],
+    ids=["no-question", "both", "no-context", "empty-questions", "bad-policy"],
 )
 def test_pipeline_rejects_bad_calls(loaded, call, error):
     model, tokenizer = loaded
     ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=error):
         call(ask)
+
+
+def test_the_pipeline_without_a_policy_compresses_with_the_default_one(loaded):
+    """Given no policy and a model not enabled, the pipeline uses kvpatch.DEFAULT_POLICY (the
+    commands' default) for that call: the same answers and bytes as naming it."""
+    model, tokenizer = loaded
+    ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
+    plain = ask(context=CONTEXT, question=QUESTIONS[0], max_new_tokens=4)
+    named = ask(context=CONTEXT, question=QUESTIONS[0], max_new_tokens=4, policy=DEFAULT_POLICY)
+    assert not kvpatch.is_enabled(model)
+    assert plain == named
+    assert plain["kv_bytes"] < 0.6 * plain["uncompressed_kv_bytes"]  # keydiff:0.5
 
 
 def test_text_generation_pipeline_compresses(loaded):
