@@ -226,7 +226,7 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     policy = cache.policy if cache.policy is not None else policy_of(model)
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     scorer_maps.prepare(model, policy)
-    if policy is not None and (policy.needs_replay or cache.prefill_chunk_size is not None):
+    if policy is not None and (policy.replay_needed or cache.prefill_chunk_size is not None):
         _prefill_for_generate(model, cache, ids, kwargs)
 
 

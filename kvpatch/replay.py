@@ -37,7 +37,7 @@ def finish_prefill(
     if not layers:
         return
     policy = layers[0].deferred.policy
-    if policy.needs_replay:
+    if policy.replay_needed:
         scorer = replay_scorer(policy)
         prompts = RepeatPrompts(tokenizer, input_ids.device)
         reconstruct(model, cache, input_ids, attention_mask, prompts, scorer)

@@ -111,7 +111,7 @@ class SharedPrefill:
                     layer.defer(cache.policy, inputs)
                 else:
                     layer.compress(cache.policy, inputs)
-        if deferred and cache.policy.needs_replay:
+        if deferred and cache.policy.replay_needed:
             self._replay(model, cache, length, tokenizer)
         if deferred:
             cache.compress_deferred()

@@ -42,6 +42,13 @@ def test_base_model_is_left_alone():
     assert not kvpatch.is_enabled(LlamaModel(LlamaConfig(**CONFIG)))
 
 
+def test_static_cache():
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    out = model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, do_sample=False,
+                         cache_implementation="static")
+    assert out.shape == (1, 6)
+
+
 def test_always_fails():
     raise AssertionError("fails with and without kvpatch: not a regression")
 """
@@ -69,10 +76,14 @@ def test_runner_reports_what_only_kvpatch_breaks(tmp_path):
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr  # one regression found
     (run,) = json.loads(summary.read_text())["runs"]
-    assert (run["model"], run["policy"], run["tests"], run["passed"]) == ("llama", "snapkv:0", 4, 3)
+    assert (run["model"], run["policy"], run["tests"], run["passed"]) == ("llama", "snapkv:0", 5, 4)
     # the plugin enabled the causal LM (so the stock-only test fails) and nothing else
     assert run["regressions"] == ["tests.models.llama.test_modeling_llama::test_model_is_stock"]
-    assert "regressions 1" in result.stdout
+    # a static cache is refused by design, with kvpatch's error: counted apart
+    (kind,) = run["refusals"]
+    assert "cache_implementation" in kind
+    assert run["refusals"][kind] == ["tests.models.llama.test_modeling_llama::test_static_cache"]
+    assert "documented refusals 1, regressions 1" in result.stdout
 
 
 def test_runner_refuses_a_model_without_tests(tmp_path):

@@ -362,3 +362,36 @@ def test_a_crop_into_the_compressed_part_keeps_what_each_head_held_before_the_ne
         kept = before.kept_positions(0, head)
         assert torch.equal(after.kept_positions(0, head), kept[kept < 170])
     torch.testing.assert_close(cache.layers[1].keys, keys_before[:, :, :170])
+
+
+@pytest.mark.parametrize("policy", ["kvzip:0", "global-kvzip:0", "think:0+ada-kvzip-plus:0"])
+def test_kvzip_at_ratio_0_reconstructs_nothing(policy, monkeypatch):
+    """Nothing is removed at ratio 0, so KVzip's reconstruction is skipped: no tokenizer is
+    needed, generate takes embeddings and beams, appended turns too, and every token and logit
+    is the unpatched model's (transformers' generation tests have no tokenizer)."""
+    import torch
+
+    import kvpatch
+    from kvpatch import replay
+    from kvpatch.testing import random_prompt, tiny_model
+
+    def no_reconstruction(*args, **kwargs):
+        raise AssertionError("reconstructed at ratio 0")
+
+    monkeypatch.setattr(replay, "reconstruct", no_reconstruction)
+    model, ids = tiny_model(key_scale=4.0), random_prompt(60)
+    embeds = model.get_input_embeddings()(ids)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True)
+    kwargs.update(return_dict_in_generate=True)
+    stock = [model.generate(ids, **kwargs), model.generate(inputs_embeds=embeds, **kwargs)]
+    beams = model.generate(ids, num_beams=3, max_new_tokens=5, pad_token_id=0)
+    with kvpatch.enabled(model, policy):
+        ours = [model.generate(ids, **kwargs), model.generate(inputs_embeds=embeds, **kwargs)]
+        assert torch.equal(
+            model.generate(ids, num_beams=3, max_new_tokens=5, pad_token_id=0), beams
+        )
+        turn = kvpatch.prefill(model, ids).extend(random_prompt(10, seed=4))
+        assert turn.cache.get_seq_length() == 70
+    for a, b in zip(stock, ours, strict=True):
+        assert torch.equal(a.sequences, b.sequences)
+        torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores))

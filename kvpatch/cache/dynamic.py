@@ -109,7 +109,7 @@ class CompressedDynamicCache(DynamicCache):
             )
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
-        if deferred and layer.replay is None and not layer.deferred.policy.needs_replay:
+        if deferred and layer.replay is None and not layer.deferred.policy.replay_needed:
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] > 1 and not isinstance(self.layers[layer_idx], CompressedLayer):

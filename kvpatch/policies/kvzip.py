@@ -84,7 +84,13 @@ class KVzip(TokenScorer):
     def needs_replay(self) -> bool:
         return True
 
+    @property
+    def replay_needed(self) -> bool:
+        return self.ratio > 0
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
+        if inputs.replay_attention is None and not self.replay_needed:
+            return torch.zeros(inputs.keys.shape[:-1], device=inputs.keys.device)  # all kept
         if inputs.replay_attention is None:
             raise ValueError(
                 f"{self.name} scores tokens from a reconstruction of the whole context, which "

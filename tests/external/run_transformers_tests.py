@@ -10,7 +10,10 @@ huggingface/transformers or a mirror holding the tags; nothing of it is kept her
 For each model, its ``tests/models/NAME/test_modeling_NAME.py`` runs once without kvpatch and
 once per policy with :mod:`tests.external.kvpatch_plugin` (kvpatch enabled on every model that
 generates). A *regression* is a test that passes without kvpatch and fails or errors with it.
-Prints one summary line per (model, policy) and every regression; ``--json`` writes them.
+A regression whose error is one of kvpatch's documented refusals (:data:`REFUSALS`: what kvpatch
+turns down by design, with an error that says so) is counted apart; every other one is listed.
+Prints one summary line per (model, policy) and the regressions; ``--json`` writes them. Exits
+with 1 if a regression is not a documented refusal.
 """
 
 from __future__ import annotations
@@ -28,22 +31,33 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 # loaded by its own name from this folder: transformers' checkout has a ``tests`` package too
 PLUGIN = "kvpatch_plugin"
+#: kvpatch's documented refusals (docs/bad-input.md), by a fragment of their error message
+REFUSALS = {
+    "a cache_implementation kvpatch cannot compress (static, ...)": "which would hold the whole "
+    "cache uncompressed",
+    "a model with no full-attention layer (nothing to compress)": "which already bounds its cache",
+}
 
 
-def outcomes(junit: Path) -> dict[str, str]:
-    """``test id -> passed | failed | skipped`` from a junit XML report (errors count as
+def outcomes_of(found: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """``test id -> passed | failed | skipped`` of :func:`results`."""
+    return {name: outcome for name, (outcome, _) in found.items()}
+
+
+def results(junit: Path) -> dict[str, tuple[str, str]]:
+    """``test id -> (outcome, failure message)`` from a junit XML report (errors count as
     failures)."""
-    results = {}
+    found = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        if kinds & {"failure", "error"}:
-            results[name] = "failed"
-        elif "skipped" in kinds:
-            results[name] = "skipped"
+        failures = [child for child in case if child.tag in ("failure", "error")]
+        if failures:
+            found[name] = ("failed", failures[0].get("message") or failures[0].text or "")
+        elif any(child.tag == "skipped" for child in case):
+            found[name] = ("skipped", "")
         else:
-            results[name] = "passed"
-    return results
+            found[name] = ("passed", "")
+    return found
 
 
 def regressions(without: dict[str, str], with_kvpatch: dict[str, str]) -> list[str]:
@@ -53,6 +67,11 @@ def regressions(without: dict[str, str], with_kvpatch: dict[str, str]) -> list[s
         for name, outcome in without.items()
         if outcome == "passed" and with_kvpatch.get(name, "missing") in ("failed", "missing")
     )
+
+
+def refusal_of(message: str) -> str | None:
+    """The documented refusal ``message`` is, or None."""
+    return next((what for what, says in REFUSALS.items() if says in message), None)
 
 
 def source_version(source: Path) -> str | None:
@@ -78,7 +97,7 @@ def run_pytest(source: Path, test_file: Path, junit: Path, policy: str | None, e
             f"pytest wrote no report for {test_file} (policy {policy}):\n"
             f"{(done.stdout + done.stderr)[-2000:]}"
         )
-    return outcomes(junit)
+    return results(junit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,25 +128,44 @@ def main(argv: list[str] | None = None) -> int:
         test_file = args.source / "tests" / "models" / model / f"test_modeling_{model}.py"
         if not test_file.exists():
             parser.error(f"no {test_file}; --models names folders of tests/models")
-        without = run_pytest(args.source, test_file, args.out / f"{model}.xml", None, extra)
+        stock = run_pytest(args.source, test_file, args.out / f"{model}.xml", None, extra)
+        without = outcomes_of(stock)
         for policy in args.policies:
             junit = args.out / f"{model}-{re.sub(r'[^a-z0-9.]+', '_', policy)}.xml"
-            found = regressions(without, run_pytest(args.source, test_file, junit, policy, extra))
-            passed = sum(outcome == "passed" for outcome in without.values())
-            print(
-                f"{model:8} {policy:20} tests {len(without)}, passed without kvpatch {passed}, "
-                f"regressions {len(found)}",
-                flush=True,
-            )
-            for name in found:
-                print(f"    {name}")
-            report["runs"].append(
-                {"model": model, "policy": policy, "tests": len(without), "passed": passed,
-                 "regressions": found}
-            )  # fmt: skip
+            with_kvpatch = run_pytest(args.source, test_file, junit, policy, extra)
+            report["runs"].append(summarise(model, policy, without, with_kvpatch))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 1 if any(run["regressions"] for run in report["runs"]) else 0
+
+
+def summarise(model: str, policy: str, without: dict[str, str], found: dict) -> dict:
+    """One (model, policy) run (``found``: :func:`results` with kvpatch): its counts, the
+    refusals by kind, the other regressions (and their messages), printed and returned."""
+    refused: dict[str, list[str]] = {}
+    others = {}
+    for name in regressions(without, outcomes_of(found)):
+        message = found.get(name, ("missing", "not run"))[1]
+        kind = refusal_of(message)
+        if kind is None:
+            others[name] = message.splitlines()[0][:300] if message else ""
+        else:
+            refused.setdefault(kind, []).append(name)
+    passed = sum(outcome == "passed" for outcome in without.values())
+    refusals = sum(len(names) for names in refused.values())
+    print(
+        f"{model:8} {policy:20} tests {len(without)}, passed without kvpatch {passed}, "
+        f"documented refusals {refusals}, regressions {len(others)}",
+        flush=True,
+    )
+    for kind, names in refused.items():
+        print(f"    refused, {kind}: {len(names)}")
+    for name, message in others.items():
+        print(f"    {name}: {message}")
+    return {
+        "model": model, "policy": policy, "tests": len(without), "passed": passed,
+        "refusals": refused, "regressions": sorted(others), "messages": others,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
