@@ -395,3 +395,37 @@ def test_kvzip_at_ratio_0_reconstructs_nothing(policy, monkeypatch):
     for a, b in zip(stock, ours, strict=True):
         assert torch.equal(a.sequences, b.sequences)
         torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores))
+
+
+@pytest.mark.parametrize("policy", ["global-snapkv:0", "global-kvzip:0", "pyramid-snapkv:0.5"])
+def test_a_crop_right_after_a_prefill_that_waits_for_every_layer(policy):
+    """Shared budgets compress once every layer's prefill is known, at the next forward; a crop
+    before it (transformers crops a draft model's cache right after its prefill) compresses them
+    first: the next forward reads what was held before the new end (at ratio 0, the stock
+    cache's logits)."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpatch
+    from kvpatch import compat
+    from kvpatch.testing import random_prompt, tiny_model
+
+    model, ids = tiny_model(key_scale=4.0), random_prompt(40)
+    argument = compat.cache_argument(model)
+
+    def prefill_crop_step(cache):
+        model(ids, **{argument: cache})
+        cache.crop(-1)
+        return model(ids[:, 39:], **{argument: cache}).logits
+
+    stock = prefill_crop_step(DynamicCache(config=model.config))
+    with kvpatch.enabled(model, policy):
+        cache = kvpatch.CompressedDynamicCache(config=model.config)
+        ours = prefill_crop_step(cache)
+    assert cache.get_seq_length() == 40 and not cache.deferred_layers
+    if policy.endswith(":0"):
+        torch.testing.assert_close(ours, stock)
+    else:
+        for layer in cache.stats().layers:
+            held = layer.kept_positions(0, 0)
+            assert held[-1] == 39 and (held[:-1] < 39).all()  # the crop, then the new token

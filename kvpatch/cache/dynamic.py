@@ -126,6 +126,15 @@ class CompressedDynamicCache(DynamicCache):
         """Layers holding their whole prefill until :meth:`compress_deferred`."""
         return [layer for layer in self.compressed_layers if layer.deferred is not None]
 
+    def crop(self, max_length: int) -> None:
+        # Layers that wait for every layer's prefill (shared budgets) are compressed first, as
+        # the next forward would: their plan must cover the tokens they hold (transformers crops
+        # a draft model's cache right after its prefill).
+        waiting = self.deferred_layers
+        if waiting and not waiting[0].deferred.policy.replay_needed:
+            self.compress_deferred()
+        super().crop(max_length)
+
     def compress_deferred(self) -> None:
         """Compress the layers whose policy plans every layer at once (shared budgets, KVzip's
         reconstruction scores in ``layer.replay_attention``)."""

@@ -100,10 +100,15 @@ class _Estimate:
         seconds = time.perf_counter() - self.start
         left = seconds / new * (self.total - done)
         print(
-            f"kvpatch-eval: {new} answers in {seconds:.0f} s; the {self.total - done} left should "
-            f"take about {_duration(left)} (stopped, `--resume` continues it)",
+            f"kvpatch-eval: {_count(new, 'answer')} in {seconds:.0f} s; the "
+            f"{_count(self.total - done, 'answer')} left should take about {_duration(left)} "
+            "(stopped, `--resume` continues it)",
             file=sys.stderr,
         )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _duration(seconds: float) -> str:
