@@ -43,6 +43,7 @@ def the_pages_names(checkpoint: str) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # as a causal LM's declares
 
     def ids(text: str) -> torch.Tensor:
         return tokenizer(text, return_tensors="pt").input_ids
