@@ -33,18 +33,10 @@ from kvpatch.policies import DEFAULT_POLICY
 
 #: ``kvpatch chat``'s history bound, tokens per head
 CHAT_BUDGET = 2048
-#: why :data:`kvpatch.DEFAULT_POLICY` is the commands' default, for ``--help``
-DEFAULT_REASON = (
-    "the default of every command but compress, and of the pipeline: KeyDiff reads no query, so "
-    "it keeps facts whether the question is in the prompt or comes later, with no extra pass; "
-    "its window keeps a short prompt whole"
-)
-#: ``kvpatch compress``'s default: a context compressed once and asked many times
+#: why :data:`kvpatch.DEFAULT_POLICY` is the default, and why compress has its own
+DEFAULT_REASON = "no extra pass, and facts kept whether the question comes first or later"
 COMPRESS_POLICY = "global-kvzip:0.75"
-COMPRESS_REASON = (
-    "a context compressed once and asked many times is worth KVzip's extra pass at prefill, "
-    "which keeps the most facts at a quarter of the bytes"
-)
+COMPRESS_REASON = "compressed once and asked often, a document is worth KVzip's extra pass"
 
 
 def parser() -> argparse.ArgumentParser:

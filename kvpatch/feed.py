@@ -25,7 +25,7 @@ from kvpatch.cache import (
     token_part,
     token_policy_of,
 )
-from kvpatch.policies import LayerInputs
+from kvpatch.policies import LayerInputs, replay_needed
 
 TokenizerSource = Callable[[], object]
 
@@ -69,7 +69,7 @@ def prefill_into(
     )
     deferred = cache.deferred_layers
     if deferred:
-        tokenizer = get_tokenizer() if deferred[0].policy.replay_needed else None
+        tokenizer = get_tokenizer() if replay_needed(deferred[0].policy) else None
         replay.finish_prefill(model, cache, input_ids, attention_mask, tokenizer)
     return out.logits
 
@@ -199,7 +199,7 @@ def compress_appended(
     if not layers:
         return logits
     policy = layers[0].policy
-    if token_policy_of(policy).replay_needed:
+    if replay_needed(token_policy_of(policy)):
         tail_start = layers[0].store.tail_start
         prompts = replay.RepeatPrompts(get_tokenizer(), input_ids.device)
         scorer = replay.replay_scorer(policy)

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvpatch import attention, checks, compat, generate_args, hidden_states, scorer_maps
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
 from kvpatch.feed import keep_system_prefix, prefill_into
-from kvpatch.policies import Policy, parse_policy
+from kvpatch.policies import Policy, parse_policy, replay_needed
 
 _MISSING = object()
 
@@ -226,7 +226,7 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     policy = cache.policy if cache.policy is not None else policy_of(model)
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     scorer_maps.prepare(model, policy)
-    if policy is not None and (policy.replay_needed or cache.prefill_chunk_size is not None):
+    if policy is not None and (replay_needed(policy) or cache.prefill_chunk_size is not None):
         _prefill_for_generate(model, cache, ids, kwargs)
 
 

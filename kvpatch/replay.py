@@ -19,7 +19,7 @@ import torch
 
 from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer, LocalColumns, ReplayChunk
-from kvpatch.policies import Composed, KVzip, Policy
+from kvpatch.policies import Composed, KVzip, Policy, replay_needed
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.policies.wraps import WrapsScorer
 
@@ -37,7 +37,7 @@ def finish_prefill(
     if not layers:
         return
     policy = layers[0].deferred.policy
-    if policy.replay_needed:
+    if replay_needed(policy):
         scorer = replay_scorer(policy)
         prompts = RepeatPrompts(tokenizer, input_ids.device)
         reconstruct(model, cache, input_ids, attention_mask, prompts, scorer)

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from kvpatch import compat, replay, scorer_maps
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
 from kvpatch.patching import disable, enable, is_enabled
-from kvpatch.policies import LayerInputs, Plan, Policy
+from kvpatch.policies import LayerInputs, Plan, Policy, replay_needed
 
 
 class _Recorder(Policy):
@@ -111,7 +111,7 @@ class SharedPrefill:
                     layer.defer(cache.policy, inputs)
                 else:
                     layer.compress(cache.policy, inputs)
-        if deferred and cache.policy.replay_needed:
+        if deferred and replay_needed(cache.policy):
             self._replay(model, cache, length, tokenizer)
         if deferred:
             cache.compress_deferred()

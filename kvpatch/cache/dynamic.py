@@ -19,7 +19,7 @@ from kvpatch.cache.recompress import (
 )
 from kvpatch.cache.stats import CacheStats, layer_stats
 from kvpatch.cache.views import PrefillView, view_of
-from kvpatch.policies import Policy, parse_policy
+from kvpatch.policies import Policy, parse_policy, replay_needed
 
 
 class CompressedDynamicCache(DynamicCache):
@@ -109,7 +109,7 @@ class CompressedDynamicCache(DynamicCache):
             )
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
-        if deferred and layer.replay is None and not layer.deferred.policy.replay_needed:
+        if deferred and layer.replay is None and not replay_needed(layer.deferred.policy):
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] > 1 and not isinstance(self.layers[layer_idx], CompressedLayer):
@@ -131,7 +131,7 @@ class CompressedDynamicCache(DynamicCache):
         # the next forward would: their plan must cover the tokens they hold (transformers crops
         # a draft model's cache right after its prefill).
         waiting = self.deferred_layers
-        if waiting and not waiting[0].deferred.policy.replay_needed:
+        if waiting and not replay_needed(waiting[0].deferred.policy):
             self.compress_deferred()
         super().crop(max_length)
 

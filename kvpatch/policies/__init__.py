@@ -19,7 +19,7 @@ import difflib
 
 from kvpatch.policies.adakv import AdaKV
 from kvpatch.policies.base import ChannelSelector, Composed, Policy, TokenScorer, compose
-from kvpatch.policies.contract import LayerInputs, Plan, check_ratio
+from kvpatch.policies.contract import LayerInputs, Plan, check_ratio, replay_needed
 from kvpatch.policies.expected_attention import ExpectedAttention
 from kvpatch.policies.keydiff import KeyDiff
 from kvpatch.policies.knorm import Knorm
@@ -219,4 +219,5 @@ __all__ = [
     "hidden_state_scorer",
     "parse_policy",
     "policy_names",
+    "replay_needed",
 ]

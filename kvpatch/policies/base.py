@@ -64,12 +64,6 @@ class Policy(ABC):
         return False
 
     @property
-    def replay_needed(self) -> bool:
-        """Whether a prefill must run that reconstruction: not at ratio 0, where every token is
-        kept whatever the scores (no tokenizer needed, no extra pass, token ids or embeddings)."""
-        return self.needs_replay
-
-    @property
     def needs_all_layers(self) -> bool:
         """Whether :meth:`plan_layers` must see every layer at once (budgets shared across
         layers): compression then waits for the end of the prefill."""
@@ -241,10 +235,6 @@ class Composed(Policy):
     @property
     def needs_replay(self) -> bool:
         return self.tokens is not None and self.tokens.needs_replay
-
-    @property
-    def replay_needed(self) -> bool:
-        return self.tokens is not None and self.tokens.replay_needed
 
     @property
     def needs_all_layers(self) -> bool:

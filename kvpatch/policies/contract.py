@@ -241,6 +241,13 @@ def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)
 
 
+def replay_needed(policy) -> bool:
+    """Whether a prefill runs KVzip's reconstruction for ``policy``: not at ratio 0, where every
+    token is kept whatever the scores (no tokenizer, no extra pass, token ids or embeddings)."""
+    tokens = getattr(policy, "tokens", policy)  # a composed policy's token part
+    return policy.needs_replay and tokens.ratio > 0
+
+
 def scores_with_rules(
     scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None, n_sink: int = 0
 ) -> torch.Tensor:

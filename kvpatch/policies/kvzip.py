@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
+from kvpatch.policies.contract import (
+    DEFAULT_SINKS,
+    LayerInputs,
+    check_ratio,
+    check_sinks,
+    replay_needed,
+)
 
 #: how KVzip asks the model to reconstruct the context: the first chunk, then the later ones,
 #: which are followed by the last tokens of the chunk before them
@@ -84,12 +90,8 @@ class KVzip(TokenScorer):
     def needs_replay(self) -> bool:
         return True
 
-    @property
-    def replay_needed(self) -> bool:
-        return self.ratio > 0
-
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        if inputs.replay_attention is None and not self.replay_needed:
+        if inputs.replay_attention is None and not replay_needed(self):
             return torch.zeros(inputs.keys.shape[:-1], device=inputs.keys.device)  # all kept
         if inputs.replay_attention is None:
             raise ValueError(

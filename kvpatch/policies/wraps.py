@@ -46,10 +46,6 @@ class WrapsScorer:
         return self.scorer.needs_replay
 
     @property
-    def replay_needed(self) -> bool:
-        return self.scorer.replay_needed
-
-    @property
     def needs_hidden_states(self) -> bool:
         return self.scorer.needs_hidden_states
 
