@@ -61,27 +61,28 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
         for indexed in context_groups(samples):
             if runner.run_group(indexed):
                 clock.after_context(len(journal.records))
-                write_outputs(_result(settings, journal.records), output, plot=False)
+                write_outputs(_result(settings, journal.records, runner.runs), output, plot=False)
     finally:
         runner.progress.close()
         if was_enabled and not kvpatch.is_enabled(model):
             kvpatch.enable(model)
         elif not was_enabled and kvpatch.is_enabled(model):
             kvpatch.disable(model)
-    result = _result(settings, journal.records)
+    result = _result(settings, journal.records, runner.runs)
     write_outputs(result, output, plot=config.plot)
     return result
 
 
-def _result(settings: dict, records: list[dict]) -> dict:
-    """Records in the order a run without a stop makes them: by task, mode, the configuration's
-    policy and ratio order, then sample."""
-    runs = [FULL] + [with_ratio(p, r) for p in settings["policies"] for r in settings["ratios"]]
-    rank = {spec: i for i, spec in enumerate(runs)}
+def _result(settings: dict, records: list[dict], runs: list[tuple[str, float]]) -> dict:
+    """Records in the order a run without a stop makes them: by task, mode, the order of
+    ``runs`` (the runner's ``(policy, ratio)`` pairs), then sample."""
+    rank = {(policy, float(ratio)): i for i, (policy, ratio) in enumerate(runs)}
     records = sorted(
         records,
-        key=lambda r: (r["task"], MODES.index(r["mode"]), rank.get(r["spec"], 0), r["sample"]),
-    )
+        key=lambda r: (
+            r["task"], MODES.index(r["mode"]), rank[r["policy"], float(r["ratio"])], r["sample"]
+        ),
+    )  # fmt: skip
     return {"config": settings, "summary": summarize(records), "records": records}
 
 
