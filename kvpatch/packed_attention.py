@@ -109,42 +109,71 @@ def _attend_shared(
     """:func:`attend` for batch rows sharing one context: each KV head's context part (packed
     tokens and the context's own tail, one batch row) is read once for every row's queries, and
     one softmax per query spans it and the query row's own tail."""
-    context = store.context
-    # [1, kv_heads, tokens, dim]: the context's tail, after its packed tokens if stored dense
-    context_keys, context_values = context.keys.view(), context.values.view()
     row_keys, row_values = store.tail()
     batch, kv_heads = row_keys.shape[:2]
     grouped = _grouped(query, scaling, kv_heads)  # [batch, kv_heads, rows, dim]
     rows = grouped.shape[2]
     together = grouped.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
-    packed = context.packed
-    length = packed.max_length if packed.keys is not None else 0  # else all in the tail
-    held = _held(packed) if length else None
-    context_scores = together @ context_keys.transpose(-1, -2)
-    if length:
-        packed_scores = _packed_scores(packed, held, together)
-        context_scores = torch.cat([packed_scores, context_scores], dim=-1)
     row_scores = grouped @ row_keys.transpose(-1, -2)  # [batch, kv_heads, rows, row tail]
     if rows_visible is not None:
         row_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
-    row_scores = row_scores.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
-    # one softmax per query over its context and its own tail, each part exponentiated where it
-    # is (the context's scores are neither copied per row nor concatenated with the tails) and
-    # the output divided by the two parts' sum
-    context_scores, row_scores = context_scores.float(), row_scores.float()
-    top = torch.maximum(context_scores.amax(-1), row_scores.amax(-1))[..., None]
-    shared = context_scores.sub_(top).exp_()
-    own = row_scores.sub_(top).exp_()
-    total = shared.sum(-1, keepdim=True).add_(own.sum(-1, keepdim=True))
-    shared, own = shared.to(query.dtype), own.to(query.dtype)
-    output = shared[..., length:] @ context_values
-    if length:
-        output = output.add_(_packed_output(packed, held, shared[..., :length]))
-    own = own.view(kv_heads, batch, rows, -1)
-    row_values = row_values.transpose(0, 1)  # [kv_heads, batch, row tail, dim]
-    output = output.view(kv_heads, batch, rows, -1).add_(own @ row_values)
+    own = row_scores.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1).float()
+    parts = _context_parts(store.context, together)
+    # one softmax per query over the context's parts and its own tail, each part exponentiated
+    # where it lies (nothing padded, copied per row or concatenated) and the output divided by
+    # the parts' sum
+    top = own.amax(-1, keepdim=True)
+    for heads, scores, _, _ in parts:
+        top[:, heads] = torch.maximum(top[:, heads], scores.amax(-1, keepdim=True))
+    own = own.sub_(top).exp_()
+    total = own.sum(-1, keepdim=True)
+    output = together.new_zeros(1, kv_heads, batch * rows, row_values.shape[-1])
+    for heads, scores, values, channels in parts:
+        weights = scores.sub_(top[:, heads]).exp_()
+        total[:, heads] += weights.sum(-1, keepdim=True)
+        weighted = weights.to(query.dtype) @ values
+        if channels is None:
+            output[:, heads] += weighted
+        elif channels.dim() == 1:  # one head's kept value channels; the others take nothing
+            output[0, heads].index_add_(-1, channels, weighted[0])
+        else:
+            output += _widen(weighted, channels, store.context.packed)
+    output = output.view(kv_heads, batch, rows, -1)
+    own = own.to(query.dtype).view(kv_heads, batch, rows, -1)
+    output = output.add_(own @ row_values.transpose(0, 1))  # [kv_heads, batch, row tail, dim]
     output = output.div_(total.view(kv_heads, batch, rows, 1).to(output.dtype))
     return _ungrouped(output.transpose(0, 1), query)
+
+
+def _context_parts(context: CompressedStore, together: torch.Tensor) -> list[tuple]:
+    """The parts of a shared context (one batch row) that ``together`` ``[1, kv_heads, queries,
+    dim]`` attends to, as ``(heads, scores, values, value channels)``: ``heads`` the KV heads
+    (a slice) the part covers, ``scores`` fp32 ``[1, heads, queries, tokens]``, ``values``
+    ``[1, heads, tokens, kept value channels]`` and the kept channels' indices (None when all
+    are kept; ``[kept]`` for one head, ``[1, kv_heads, kept]`` for all). Heads of different
+    lengths are one part each, so that no padding is scored."""
+    parts = []
+    context_keys, context_values = context.keys.view(), context.values.view()
+    if context_keys.shape[-2]:  # the context's own tail, after its packed tokens
+        scores = (together @ context_keys.transpose(-1, -2)).float()
+        parts.append((slice(None), scores, context_values, None))
+    packed = context.packed
+    if packed.keys is None or not packed.max_length:
+        return parts
+    queries = gather_channels(together, packed.channels)
+    if packed.is_uniform:
+        shape = (1, packed.lengths.shape[1], packed.max_length, -1)
+        keys, values = (t.view(shape) for t in packed.rows())
+        scores = (queries @ keys.transpose(-1, -2)).float()
+        parts.append((slice(None), scores, values, packed.value_channels))
+        return parts
+    for head, (keys, values) in enumerate(packed.segment_views()):
+        if not keys.shape[0]:
+            continue
+        scores = (queries[:, head : head + 1] @ keys.T).float()
+        channels = None if packed.value_channels is None else packed.value_channels[0, head]
+        parts.append((slice(head, head + 1), scores, values[None, None], channels))
+    return parts
 
 
 def _grouped(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ POLICIES = [
     "ada-snapkv:0.6",  # variable-length heads
     "think:0.5+snapkv:0.5",  # pruned key channels, a full-width window in the context's tail
     "think-v:0.5+ada-knorm:0.5",  # pruned value channels, variable-length heads
+    "think-v:0.5+snapkv:0.5",  # pruned value channels, uniform heads
     "snapkv:0",  # nothing evicted
 ]
 LENGTHS = (3, 9, 1, 14)  # questions of different lengths: the batch pads them
@@ -90,7 +91,7 @@ def test_the_batch_matches_the_oracle(policy):
         assert torch.equal(answer[0], output[row, ids.shape[1] :])
 
 
-@pytest.mark.parametrize("policy", ["ada-snapkv:0.6", "think-v:0.5+ada-knorm:0.5", "snapkv:0.5"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_logits_of_a_shared_context_equal_a_copy_per_question(policy):
     """One teacher-forced forward of the padded questions on the shared cache gives each row the
     logits of its question on a copy of the context."""
