@@ -1,11 +1,16 @@
 """What scoring costs at prefill: time and peak memory against a plain prefill, for every policy.
 
 Each run is a fresh process (so that its peak memory is its own) that builds the random
-Llama-style model of ``bench_cache.py`` and prefills a context with ``kvpatch.prefill``: for
-``kvzip`` that includes the context reconstruction (one more pass over the context, chunk by
-chunk). Times are ratios to the plain prefill (a ``DynamicCache``, the same forward) measured in
-the same run, medians of ``--repeats`` interleaved rounds with their spread. "extra peak MB" is
-the run's peak resident memory minus the plain prefill's.
+Llama-style model of ``bench_cache.py`` (or loads the demo model, ``--model demo``) and prefills a
+context with ``kvpatch.prefill``: for ``kvzip`` that includes the context reconstruction (one
+more pass over the context, chunk by chunk). Times are ratios to the plain prefill (a
+``DynamicCache``, the same forward) measured in the same run, medians of ``--repeats``
+interleaved rounds with their spread. "extra peak MB" is the run's peak resident memory minus
+the plain prefill's.
+
+``replay-forward`` is the floor of KVzip's cost: the plain prefill, then the forwards of its
+reconstruction (the same chunks of 512 through the ``DynamicCache``, each cropped away after it)
+with the stock kernel and no scoring; what a ``kvzip`` row takes beyond it is its scoring.
 
     python benchmarks/bench_prefill.py --contexts 2048 8192
 
@@ -18,6 +23,7 @@ import argparse
 import json
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, run_isolated, spread
+from bench_cache import FULL, build_model, spread
 
 #: one policy of every scorer, budget allocation and channel selection; KVzip's reconstruction
 #: (one more pass over the context) last
@@ -49,6 +55,8 @@ POLICIES = [
     "global-kvzip:0.5",
     "kvzip-plus:0.5",
 ]
+#: the plain prefill and KVzip's reconstruction forwards, unscored
+REPLAY_FORWARD = "replay-forward"
 
 
 class ByteTokenizer:
@@ -61,7 +69,35 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode())}
 
 
-def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
+def replay_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
+    """The forwards of KVzip's reconstruction of ``ids`` (:func:`kvpatch.replay.reconstruct`'s
+    chunks, at the default chunk size and overlap), each through ``cache`` and cropped away."""
+    from kvpatch import compat
+    from kvpatch.policies import KVzip
+    from kvpatch.replay import RepeatPrompts, _chunk_batch
+
+    settings, prompts = KVzip(), RepeatPrompts(tokenizer, ids.device)
+    length = ids.shape[1]
+    for start in range(0, length, settings.chunk_size):
+        size, overlap = settings.chunk_size, settings.overlap
+        chunk = _chunk_batch(prompts, [ids[0]], [start], size, overlap)[0]
+        positions = length + torch.arange(chunk.shape[1])[None]
+        mask = torch.ones(1, length + chunk.shape[1], dtype=torch.long)
+        inputs = dict(attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        model(chunk, **inputs, **{compat.cache_argument(model): cache})
+        cache.crop(-chunk.shape[1])  # negative: tokens removed, in every release
+
+
+def load(name: str):
+    """The model and the tokenizer KVzip's repeat prompt is written with."""
+    if name == "bench":
+        return build_model(), ByteTokenizer()
+    from kvpatch import demo
+
+    return demo.load(download=False)
+
+
+def measure(policy: str, context: int, threads: int, model_name: str) -> dict:
     """One prefill of ``context`` random tokens in this process."""
     from transformers import DynamicCache
 
@@ -70,16 +106,19 @@ def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
 
     if threads > 0:
         torch.set_num_threads(threads)
-    model = build_model()
-    ids = torch.randint(0, 4096, (1, context), generator=torch.Generator().manual_seed(1))
+    model, tokenizer = load(model_name)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        if policy == FULL:
+        if policy in (FULL, REPLAY_FORWARD):
             cache = DynamicCache(config=model.config)
             start = time.perf_counter()
             model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
+            if policy == REPLAY_FORWARD:
+                replay_forwards(model, cache, ids, tokenizer)
             seconds = time.perf_counter() - start
         else:
-            kvpatch.enable(model, policy, tokenizer=ByteTokenizer())
+            kvpatch.enable(model, policy, tokenizer=tokenizer)
             start = time.perf_counter()
             kvpatch.prefill(model, ids)
             seconds = time.perf_counter() - start
@@ -91,18 +130,27 @@ def measure(policy: str, context: int, _unused: int, threads: int) -> dict:
     }
 
 
+def run_isolated(policy: str, context: int, threads: int, model_name: str) -> dict:
+    """:func:`measure` in a fresh process, so that its peak memory is its own."""
+    child = [policy, str(context), str(threads), model_name]
+    command = [sys.executable, __file__, "--child", *child]
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--policies", nargs="+", default=POLICIES)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--model", default="bench", choices=["bench", "demo"])
     parser.add_argument("--json", help="also write the raw runs here")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        policy, context, unused, threads = args.child
-        print(json.dumps(measure(policy, int(context), int(unused), int(threads))))
+        policy, context, threads, model_name = args.child
+        print(json.dumps(measure(policy, int(context), int(threads), model_name)))
         return
     runs = []
     header = f"{'context':>7} {'policy':<24} {'prefill/plain':>14} {'prefill s':>10}"
@@ -111,7 +159,7 @@ def main() -> None:
         measured: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # interleaved, so that drift hits every policy alike
             for policy in [FULL, *args.policies]:
-                run = run_isolated(__file__, policy, context, 0, args.threads)
+                run = run_isolated(policy, context, args.threads, args.model)
                 runs.append(run)
                 measured.setdefault(policy, []).append(run)
         plain = statistics.median(r["prefill_s"] for r in measured[FULL])
