@@ -95,3 +95,52 @@ def test_runner_refuses_a_model_without_tests(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "test_modeling_qwen2.py" in result.stderr and "--models" in result.stderr
+
+
+PADDING_FREE_TEST = """
+import unittest
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+
+
+class Tester:
+    draws = 0
+
+    def prepare_config_and_inputs_for_common(self):
+        Tester.draws += 1
+        torch.manual_seed(Tester.draws)  # the model's weights are drawn next: the run repeats
+        ids = torch.randint(1, 64, (3, 9))
+        mask = torch.ones(3, 9, dtype=torch.long)
+        mask[1, :4] = mask[2, :2] = 0  # left padding, as transformers' testers draw it
+        return LlamaConfig(**CONFIG), {"input_ids": ids, "attention_mask": mask}
+
+
+class LlamaModelTest(unittest.TestCase):
+    all_generative_model_classes = (LlamaForCausalLM,)
+
+    def setUp(self):
+        self.model_tester = Tester()
+
+    def test_sdpa_padding_matches_padding_free_with_position_ids(self):
+        pass
+"""
+
+
+def test_paired_draws_compare_stock_and_enabled_models_on_the_same_draws(tmp_path):
+    """At ratio 0 kvpatch computes the padded and the packed forwards bit for bit as stock."""
+    source = stand_in_checkout(tmp_path / "transformers")
+    (source / "tests/models/llama/test_modeling_llama.py").write_text(PADDING_FREE_TEST)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests/external/paired_draws.py"), "--source", str(source),
+         "--model", "llama", "--policy", "ada-snapkv:0", "--draws", "3"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()[3:]]
+    assert sum(int(draws) for *_, draws in rows) == 3, result.stdout
+    for stock, enabled, identical, _ in rows:  # a draw fails stock and enabled alike, or neither
+        assert stock == enabled and identical == "True", result.stdout
