@@ -133,10 +133,10 @@ def kvpatch_runs(labels: list[str], context: int, decode_tokens: int, model=None
     return runs
 
 
-def run_isolated(script: str, policy: str, context: int, decode_tokens: int, threads: int) -> dict:
-    """Run ``script --child ...`` in a fresh process, so that its peak memory is its own."""
-    child = [policy, str(context), str(decode_tokens), str(threads)]
-    command = [sys.executable, script, "--child", *child]
+def run_isolated(script: str, *child) -> dict:
+    """Run ``script --child CHILD...`` in a fresh process, so that its peak memory is its own;
+    returns the JSON object its last line prints."""
+    command = [sys.executable, script, "--child", *map(str, child)]
     result = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 

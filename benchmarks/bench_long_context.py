@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_cache import run_isolated
 
 MODES = ("dynamic", "oneshot", "chunked")
 
@@ -102,13 +102,6 @@ def measure(mode: str, context: int, policy: str, chunk: int, threads: int) -> d
     }
 
 
-def run_isolated(mode: str, context: int, policy: str, chunk: int, threads: int) -> dict:
-    command = [sys.executable, __file__, "--child", mode, str(context), policy, str(chunk)]
-    command += [str(threads)]
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def plot(runs: list[dict], path: str) -> None:
     import matplotlib
 
@@ -154,7 +147,7 @@ def main() -> None:
     runs = []
     for context in args.contexts:
         for mode in args.modes:
-            run = run_isolated(mode, context, args.policy, args.chunk, args.threads)
+            run = run_isolated(__file__, mode, context, args.policy, args.chunk, args.threads)
             runs.append(run)
             label = {"dynamic": "DynamicCache", "oneshot": f"{args.policy} one shot"}.get(
                 mode, f"{args.policy} chunks of {args.chunk}"

@@ -23,7 +23,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, spread
+from bench_cache import FULL, build_model, run_isolated, spread
 
 #: one policy of every scorer, budget allocation and channel selection; KVzip's reconstruction
 #: (one more pass over the context) last
@@ -130,14 +129,6 @@ def measure(policy: str, context: int, threads: int, model_name: str) -> dict:
     }
 
 
-def run_isolated(policy: str, context: int, threads: int, model_name: str) -> dict:
-    """:func:`measure` in a fresh process, so that its peak memory is its own."""
-    child = [policy, str(context), str(threads), model_name]
-    command = [sys.executable, __file__, "--child", *child]
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
@@ -159,7 +150,7 @@ def main() -> None:
         measured: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # interleaved, so that drift hits every policy alike
             for policy in [FULL, *args.policies]:
-                run = run_isolated(policy, context, args.threads, args.model)
+                run = run_isolated(__file__, policy, context, args.threads, args.model)
                 runs.append(run)
                 measured.setdefault(policy, []).append(run)
         plain = statistics.median(r["prefill_s"] for r in measured[FULL])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 ENVIRONMENT_VARIABLE = "KVPATCH_POLICY"
-_original_post_init = None
+_restore = None
 
 
 def wants_kvpatch(model) -> bool:
@@ -27,33 +27,41 @@ def wants_kvpatch(model) -> bool:
     return bool(can_generate and can_generate()) and hasattr(model.config, "num_hidden_layers")
 
 
-def pytest_configure(config):
-    policy = os.environ.get(ENVIRONMENT_VARIABLE)
-    if not policy:
-        return
+def enable_in_post_init(policy: str, active=lambda: True):
+    """Make every model that :func:`wants_kvpatch` built from now on enabled with ``policy`` as
+    its ``post_init`` ends (while ``active()`` is true); returns what undoes it."""
     import transformers
 
     import kvpatch
 
-    kvpatch.parse_policy(policy)  # a bad policy stops the run here, with kvpatch's error
-    global _original_post_init
-    _original_post_init = transformers.PreTrainedModel.post_init
+    kvpatch.parse_policy(policy)  # a bad policy stops here, with kvpatch's error
+    original = transformers.PreTrainedModel.post_init
 
     def post_init(self):
-        _original_post_init(self)
-        if wants_kvpatch(self) and not kvpatch.is_enabled(self):
+        original(self)
+        if active() and wants_kvpatch(self) and not kvpatch.is_enabled(self):
             kvpatch.enable(self, policy)
 
     transformers.PreTrainedModel.post_init = post_init
 
+    def restore():
+        transformers.PreTrainedModel.post_init = original
+
+    return restore
+
+
+def pytest_configure(config):
+    policy = os.environ.get(ENVIRONMENT_VARIABLE)
+    if policy:
+        global _restore
+        _restore = enable_in_post_init(policy)
+
 
 def pytest_unconfigure(config):
-    global _original_post_init
-    if _original_post_init is not None:
-        import transformers
-
-        transformers.PreTrainedModel.post_init = _original_post_init
-        _original_post_init = None
+    global _restore
+    if _restore is not None:
+        _restore()
+        _restore = None
 
 
 def pytest_report_header(config):

@@ -23,9 +23,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpatch_plugin import enable_in_post_init
+
 import kvpatch
 
 
@@ -33,16 +35,8 @@ class EnableInPostInit:
     """Enables kvpatch on every model built while :attr:`on` is true, as the plugin does."""
 
     def __init__(self, policy: str):
-        self.policy, self.on = policy, False
-        self.original = transformers.PreTrainedModel.post_init
-        hook = self
-
-        def post_init(model):
-            hook.original(model)
-            if hook.on and model.can_generate() and not kvpatch.is_enabled(model):
-                kvpatch.enable(model, hook.policy)
-
-        transformers.PreTrainedModel.post_init = post_init
+        self.on = False
+        enable_in_post_init(policy, active=lambda: self.on)
 
 
 def model_test(source: Path, name: str):
