@@ -40,6 +40,20 @@ class _Recorder(Policy):
         return Plan(keep=everything, channels=None, full_width_from=inputs.num_tokens)
 
 
+class _RecordingCache(CompressedDynamicCache):
+    """Also records what each layer the policy does not compress (a sliding window) is given:
+    it keeps only its window, and a shorter prefix needs another one."""
+
+    def __init__(self, config, policy: Policy):
+        super().__init__(config=config, policy=policy)
+        self.uncompressed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not isinstance(self.layers[layer_idx], CompressedLayer):
+            self.uncompressed[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 @dataclass
 class SharedPrefill:
     """One exact prefill of a context: every layer's queries, keys and values, and the logits of
@@ -50,7 +64,10 @@ class SharedPrefill:
     >>> caches = {p: shared.cache(model, p) for p in ("snapkv:0.75", "ada-snapkv:0.75")}
     """
 
+    #: per compressed layer, its prefill inputs
     inputs: dict[int, LayerInputs]
+    #: per other layer (sliding windows), the keys and values its prefill gave it
+    uncompressed: dict[int, tuple[torch.Tensor, torch.Tensor]]
     logits: torch.Tensor
     seconds: float
     input_ids: torch.Tensor
@@ -70,7 +87,7 @@ class SharedPrefill:
         if not was_enabled:
             enable(model)
         try:
-            cache = CompressedDynamicCache(config=model.config, policy=recorder)
+            cache = _RecordingCache(model.config, recorder)
             start = time.perf_counter()
             argument = compat.cache_argument(model)
             out = model(ids, use_cache=True, logits_to_keep=1, **{argument: cache})
@@ -78,7 +95,7 @@ class SharedPrefill:
         finally:
             if not was_enabled:
                 disable(model)
-        return cls(recorder.inputs, out.logits, seconds, ids)
+        return cls(recorder.inputs, cache.uncompressed, out.logits, seconds, ids)
 
     def cache(self, model, policy: str | None, length: int | None = None, tokenizer=None):
         """A cache holding the first ``length`` tokens, compressed with ``policy`` (None: a stock
@@ -93,6 +110,10 @@ class SharedPrefill:
         self.reused_replay_s = 0.0
         deferred = policy is not None and cache.policy.needs_all_layers
         for index, layer in enumerate(cache.layers):
+            if index in self.uncompressed:  # a sliding window: as a prefill of the prefix keeps it
+                keys, values = self.uncompressed[index]
+                cache.update(keys[:, :, :length], values[:, :, :length], index)
+                continue
             inputs = self.inputs[index]
             if length < inputs.num_tokens:
                 inputs = dataclasses.replace(
