@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -133,11 +134,13 @@ def kvpatch_runs(labels: list[str], context: int, decode_tokens: int, model=None
     return runs
 
 
-def run_isolated(script: str, *child) -> dict:
-    """Run ``script --child CHILD...`` in a fresh process, so that its peak memory is its own;
-    returns the JSON object its last line prints."""
+def run_isolated(script: str, *child, env: dict[str, str] | None = None) -> dict:
+    """Run ``script --child CHILD...`` in a fresh process, so that its peak memory is its own
+    (``env``: variables added to its environment); returns the JSON object its last line
+    prints."""
     command = [sys.executable, script, "--child", *map(str, child)]
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    environment = {**os.environ, **env} if env else None
+    result = subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

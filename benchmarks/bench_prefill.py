@@ -6,7 +6,11 @@ context with ``kvpatch.prefill``: for ``kvzip`` that includes the context recons
 more pass over the context, chunk by chunk). Times are ratios to the plain prefill (a
 ``DynamicCache``, the same forward) measured in the same run, medians of ``--repeats``
 interleaved rounds with their spread. "extra peak MB" is the run's peak resident memory minus
-the plain prefill's.
+the plain prefill's: that includes memory the C allocator keeps after torch frees it (glibc
+serves mid-sized tensors from its heap and may not return them). "extra allocated MB" is the same
+difference in one more run per policy whose allocator maps every block over 64 KiB on its own
+and unmaps it on free (``MALLOC_MMAP_THRESHOLD_``), so that its peak resident memory follows the
+storage actually allocated.
 
 ``replay-forward`` is the floor of KVzip's cost: the plain prefill, then the forwards of its
 reconstruction (the same chunks of 512 through the ``DynamicCache``, each cropped away after it)
@@ -56,6 +60,8 @@ POLICIES = [
 ]
 #: the plain prefill and KVzip's reconstruction forwards, unscored
 REPLAY_FORWARD = "replay-forward"
+#: glibc: blocks of 64 KiB or more mapped and unmapped one by one (no retained heap)
+ALLOCATED_ONLY = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 class ByteTokenizer:
@@ -145,14 +151,21 @@ def main() -> None:
         return
     runs = []
     header = f"{'context':>7} {'policy':<24} {'prefill/plain':>14} {'prefill s':>10}"
-    print(f"{header} {'extra peak MB':>14}")
+    print(f"{header} {'extra peak MB':>14} {'extra allocated MB':>19}")
     for context in args.contexts:
         measured: dict[str, list[dict]] = {}
+        policies = [FULL, *args.policies]
         for _ in range(args.repeats):  # interleaved, so that drift hits every policy alike
-            for policy in [FULL, *args.policies]:
+            for policy in policies:
                 run = run_isolated(__file__, policy, context, args.threads, args.model)
                 runs.append(run)
                 measured.setdefault(policy, []).append(run)
+        allocated = {  # one run each: the storage allocated does not drift
+            policy: run_isolated(
+                __file__, policy, context, args.threads, args.model, env=ALLOCATED_ONLY
+            )["peak_rss_mb"]
+            for policy in policies
+        }
         plain = statistics.median(r["prefill_s"] for r in measured[FULL])
         plain_peak = statistics.median(r["peak_rss_mb"] for r in measured[FULL])
         for policy, results in measured.items():
@@ -160,7 +173,8 @@ def main() -> None:
             peak = statistics.median(r["peak_rss_mb"] for r in results) - plain_peak
             print(
                 f"{context:>7} {policy:<24} {statistics.median(ratios):>8.2f} {spread(ratios):>5} "
-                f"{statistics.median(r['prefill_s'] for r in results):>10.2f} {peak:>14.0f}",
+                f"{statistics.median(r['prefill_s'] for r in results):>10.2f} {peak:>14.0f} "
+                f"{allocated[policy] - allocated[FULL]:>19.0f}",
                 flush=True,
             )
     if args.json:

@@ -103,7 +103,7 @@ class _Estimate:
         print(
             f"kvpatch-eval: {_count(new, 'answer')} in {seconds:.0f} s; the "
             f"{_count(self.total - done, 'answer')} left should take about {_duration(left)} "
-            "(stopped, `--resume` continues it)",
+            "(if it stops, `--resume` continues it)",
             file=sys.stderr,
         )
 
