@@ -6,7 +6,7 @@ gives it.
   the output; the weights are a softmax over the sinks, the context tokens the chunk repeats and
   the chunk itself, a few queries at a time.
 - :func:`attend` (``normalise="context"``, and turns appended to a compressed context): output and
-  weights over everything held, in fp32.
+  weights over everything held, in fp32, a few queries at a time.
 
 For KVzip+ each weight is multiplied by ``||W_o[g] v||`` (:func:`output_norms`) and divided by the
 norm of the query's hidden state.
@@ -14,37 +14,64 @@ norm of the query's hidden state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvpatch.cache import ReplayView
 
 #: fp32 weights :func:`score_locally` computes at a time (8 MiB)
 LOCAL_SCORE_ELEMENTS = 1 << 21
+#: fp32 weights :func:`attend` computes at a time (4 MiB, plus as much for their scores)
+ATTEND_ELEMENTS = 1 << 20
 
 
 def attend(
     module, query, key, value, view: ReplayView, scaling: float, softcap: float | None
 ) -> tuple[torch.Tensor, None]:
     """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
-    fp32, normalised over all of it; records the scores and returns the output."""
-    batch, kv_heads, total, _ = key.shape
+    fp32, normalised over all of it; records the scores and returns the output. A few queries
+    at a time: at most :data:`ATTEND_ELEMENTS` weights exist at once, so the workspace stays
+    below one layer's KV whatever the context's length."""
+    batch, kv_heads, total, dim = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
     group, held = q_heads // kv_heads, total - q_len
-    scaled = (query.float() * scaling).reshape(batch, kv_heads, group * q_len, -1)
-    shape = (batch, kv_heads, group * q_len, total)
-    scores = torch.matmul(
-        scaled, key.float().transpose(-1, -2), out=view.chunk.buffer("s", shape, key)
-    )
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
-    scores += view.chunk.additive_mask(view.held_valid, group)
-    weights = torch.softmax(scores, dim=-1, out=view.chunk.buffer("w", shape, key))
-    scored = weights[..., view.scored_from : held].view(batch, kv_heads, group, q_len, -1)
-    if view.chunk.hidden_norms is not None:  # KVzip+
-        values = value[:, :, view.scored_from : held].float()
-        scored = _weigh(scored, module, values, view.chunk.hidden_norms, 0)
-    view.layer.record_replay_attention(scored.amax(dim=(2, 3)))
-    output = weights @ value.float()  # [b, kv_heads, group * q, dv]
+    chunk, first_scored = view.chunk, view.scored_from
+    queries = (query.float() * scaling).view(batch, kv_heads, group, q_len, dim)
+    keys, values = key.float().transpose(-1, -2), value.float()
+    if chunk.hidden_norms is not None:  # KVzip+: ||W_o[g] v|| over the queries' ||h||
+        value_norms = output_norms(module, values[:, :, first_scored:held], group)[..., None, :]
+        hidden = chunk.hidden_norms[module.layer_idx].clamp(min=1e-6)[:, None, None, :, None]
+    held_visible = view.held_valid[:, :, None, :]  # [b, 1 or kv_heads, 1, held]
+    output = values.new_empty(batch, kv_heads, group, q_len, values.shape[-1])
+    best = None
+    rows = max(1, ATTEND_ELEMENTS // (batch * kv_heads * group * total))
+    # two flat workspaces, reused by every block and layer of the chunk
+    size = (batch * kv_heads * group * min(rows, q_len) * total,)
+    score_space, weight_space = chunk.buffer("s", size, key), chunk.buffer("w", size, key)
+    for first in range(0, q_len, rows):
+        last = min(first + rows, q_len)
+        shape = (batch, kv_heads, group, last - first, total)
+        block = queries[:, :, :, first:last].reshape(batch, kv_heads, -1, dim)
+        scores = _workspace(score_space, shape)
+        torch.matmul(block, keys, out=scores.view(batch, kv_heads, -1, total))
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        real = chunk.query_valid[:, None, first:last, None]  # [b, 1, n, 1]
+        visible = torch.cat(  # a padding query sees only itself
+            [(held_visible & real).expand(-1, -1, last - first, -1),
+             chunk.chunk_visible[:, None, first:last].expand(-1, held_visible.shape[1], -1, -1)],
+            dim=-1,
+        )  # fmt: skip
+        scores.masked_fill_(~visible[:, :, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1, out=_workspace(weight_space, shape))
+        scored = weights[..., first_scored:held]
+        if chunk.hidden_norms is not None:
+            scored = scored * value_norms / hidden[:, :, :, first:last]
+        block_best = scored.amax(dim=(2, 3))
+        best = block_best if best is None else best.maximum(block_best)
+        output[:, :, :, first:last] = weights @ values[:, :, None]
+    view.layer.record_replay_attention(best)
     output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
     return output.to(query.dtype), None
 
@@ -92,13 +119,9 @@ def score_locally(
     view.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
 
 
-def _weigh(weights, module, values, hidden_norms: dict, first: int) -> torch.Tensor:
-    """KVzip+: ``weights`` ``[batch, kv_heads, group, queries, tokens]`` (queries from ``first``)
-    times each token's ``||W_o[g] v||``, over each query's hidden-state norm."""
-    group, queries = weights.shape[2], weights.shape[3]
-    value_norms = output_norms(module, values, group)[..., None, :]  # [b, h, g, 1, tokens]
-    hidden = hidden_norms[module.layer_idx][:, first : first + queries].clamp(min=1e-6)
-    return weights * value_norms / hidden[:, None, None, :, None]
+def _workspace(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first ``prod(shape)`` elements of ``flat`` as a contiguous ``shape``."""
+    return flat[: math.prod(shape)].view(shape)
 
 
 def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:

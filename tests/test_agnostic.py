@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
-from kvpatch import CompressedDynamicCache, compat, parse_policy
+from kvpatch import CompressedDynamicCache, compat, parse_policy, replay_attention
 from kvpatch.feed import prefill_into
 from kvpatch.patching import tokenizer_of
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
@@ -146,9 +146,17 @@ def replay_attention_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
         return [layer.replay_attention[0] for layer in layers], cache
 
 
+def few_queries_at_a_time(monkeypatch) -> None:
+    """The whole-context scoring in blocks of a few queries, as at long contexts."""
+    monkeypatch.setattr(replay_attention, "ATTEND_ELEMENTS", 4096)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("normalise", ["chunk", "context"])
-def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise):
+@pytest.mark.parametrize("normalise", ["chunk", "context", "context in blocks"])
+def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise, monkeypatch):
+    if normalise == "context in blocks":
+        few_queries_at_a_time(monkeypatch)
+        normalise = "context"
     model = make_model("llama", attn)
     ids = prompt(300)
     scorer = KVzip(ratio=0.6, chunk_size=128, normalise=normalise)
@@ -169,8 +177,11 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise):
             assert torch.equal(kept, expected_kept)
 
 
-@pytest.mark.parametrize("normalise", ["chunk", "context"])
-def test_kvzip_plus_matches_a_head_by_head_reference(normalise):
+@pytest.mark.parametrize("normalise", ["chunk", "context", "context in blocks"])
+def test_kvzip_plus_matches_a_head_by_head_reference(normalise, monkeypatch):
+    if normalise == "context in blocks":
+        few_queries_at_a_time(monkeypatch)
+        normalise = "context"
     model = make_model("llama", "sdpa")
     ids = prompt(200)
     scorer = KVzipPlus(ratio=0.5, chunk_size=96, normalise=normalise)

@@ -22,8 +22,11 @@ TOKENS = 120
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = byte_tokenizer()
+    # eager: a prefix's own prefill gives bit-identical keys (sdpa's kernels round differently
+    # at another length, which can flip a near-tie in what a policy keeps)
     model = tiny_model(
-        "gemma3", key_scale=4.0, vocab_size=len(tokenizer), num_hidden_layers=len(LAYER_TYPES),
+        "gemma3", "eager", key_scale=4.0, vocab_size=len(tokenizer),
+        num_hidden_layers=len(LAYER_TYPES),
         layer_types=LAYER_TYPES, sliding_window=WINDOW, num_attention_heads=4,
         num_key_value_heads=1,
     )  # fmt: skip
@@ -59,9 +62,7 @@ def test_a_shared_prefill_builds_what_a_prefill_of_those_tokens_does(setup, poli
                 continue
             if LAYER_TYPES[index] == "sliding_attention":  # the prefix's newest tokens only
                 assert a.keys.shape[-2] < WINDOW < length, index
-            # a prefix's own prefill runs shorter products: equal up to rounding
-            torch.testing.assert_close(a.keys, b.keys, msg=f"layer {index}")
-            torch.testing.assert_close(a.values, b.values, msg=f"layer {index}")
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), index
         if policy is not None:
             assert built.stats().nbytes == own.stats().nbytes
         token = ids[:, length - 1 :][:, :1] if length < TOKENS else ids[:, :1]
