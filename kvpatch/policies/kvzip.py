@@ -59,8 +59,9 @@ class KVzip(TokenScorer):
         A chunk after the first is introduced by the last ``overlap`` tokens of the one before.
     normalise : {"context", "chunk"}, default "context"
         Which keys a reconstruction query's softmax runs over (see above). "chunk" costs less
-        time and memory; on SmolLM2-135M "context" keeps more facts with uniform and head-wise
-        budgets and as many with global ones (README), hence the default.
+        time at long contexts (both score a few queries at a time, in bounded memory); on
+        SmolLM2-135M "context" keeps more facts with uniform and head-wise budgets and as many
+        or more with global ones (README), hence the default.
     """
 
     ratio: float = 0.5
