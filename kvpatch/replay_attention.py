@@ -31,8 +31,8 @@ def attend(
 ) -> tuple[torch.Tensor, None]:
     """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
     fp32, normalised over all of it; records the scores and returns the output. A few queries
-    at a time: at most :data:`ATTEND_ELEMENTS` weights exist at once, so the workspace stays
-    below one layer's KV whatever the context's length."""
+    at a time: at most :data:`ATTEND_ELEMENTS` weights (and as many scores) exist at once, so
+    the workspace does not grow with the context (as long as one query's row fits)."""
     batch, kv_heads, total, dim = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
     group, held = q_heads // kv_heads, total - q_len
