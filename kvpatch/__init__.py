@@ -17,6 +17,7 @@ from kvpatch.cache import (
 )
 from kvpatch.chat import ChatSession
 from kvpatch.context import CompressedContext, load_context, prefill
+from kvpatch.feed import ShortContextWarning
 from kvpatch.patching import disable, enable, enabled, is_enabled
 from kvpatch.pipeline import CompressedQAPipeline
 from kvpatch.pipeline import register as _register_pipeline
@@ -68,6 +69,7 @@ __all__ = [
     "Quantization",
     "RandomScorer",
     "SharedPrefill",
+    "ShortContextWarning",
     "SnapKV",
     "SpanSnapKV",
     "SpanTOVA",

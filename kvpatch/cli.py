@@ -15,7 +15,6 @@ Face model name already in the local cache (never downloaded).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from kvpatch.loading import (
     load_model,
 )
 from kvpatch.policies import DEFAULT_POLICY
+from kvpatch.terminal import prefill_bar, warnings_said_as
 
 #: ``kvpatch chat``'s history bound, tokens per head
 CHAT_BUDGET = 2048
@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
+    with warnings_said_as(f"kvpatch {args.command}"):
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         runs = {
             "generate": run_generate,
@@ -152,7 +157,7 @@ def run_generate(args) -> int:
         config=model.config, prefill_chunk_size=args.prefill_chunk, quantize=args.quantize
     )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):
+    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), prefill_bar(model, ids):
         start = time.perf_counter()
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), streamer=streamer, do_sample=False,
@@ -179,7 +184,7 @@ def run_compress(args) -> int:
     model, tokenizer = load_model(args.model, args.attn, args.dtype)
     before, _ = context_text(tokenizer, document)
     ids = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids
-    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), _prefill_bar(model, ids):
+    with kvpatch.enabled(model, args.policy, tokenizer=tokenizer), prefill_bar(model, ids):
         context = kvpatch.prefill(model, ids.to(model.device), tokenizer=tokenizer)
     context.save(args.out, model=args.model)
     size = Path(args.out).stat().st_size
@@ -205,37 +210,6 @@ def run_ask(args) -> int:
     for answer in answers:
         print(f"Q: {answer['question']}\nA: {answer['generated_text'].strip()}\n")
     return 0
-
-
-@contextlib.contextmanager
-def _prefill_bar(model, ids: torch.Tensor):
-    """A progress bar on stderr over the prompt's tokens, advanced by every forward that reads
-    more than one token (each chunk of a chunked prefill) and closed once they are all read, so
-    that the answer streams on a line of its own; yields it (None without tqdm)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        yield None
-        return
-    bar = tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr, leave=False)
-
-    def advance(module, args, kwargs):
-        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        tokens = ids.shape[-1] if ids is not None else 0
-        tokens = embeds.shape[-2] if embeds is not None and ids is None else tokens
-        if bar.disable or tokens == 0:
-            return
-        # a one-token forward reads the prompt's remainder with the first new token: done
-        bar.update(min(tokens, bar.total - bar.n) if tokens > 1 else bar.total - bar.n)
-        if bar.n >= bar.total:
-            bar.close()
-
-    hook = model.get_decoder().register_forward_pre_hook(advance, with_kwargs=True)
-    try:
-        yield bar
-    finally:
-        hook.remove()
-        bar.close()
 
 
 CHAT_HELP = "/stats: KV bytes held · /policy NAME: compress with NAME · /reset · /quit"

@@ -13,6 +13,8 @@ prompt (finding a tokenizer may read the model's checkpoint directory).
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -25,7 +27,7 @@ from kvpatch.cache import (
     token_part,
     token_policy_of,
 )
-from kvpatch.policies import LayerInputs, replay_needed
+from kvpatch.policies import LayerInputs, Policy, replay_needed
 
 TokenizerSource = Callable[[], object]
 
@@ -34,13 +36,55 @@ def _no_tokenizer() -> None:
     return None
 
 
+class ShortContextWarning(UserWarning):
+    """A context so short at its ratio that the always-kept preamble takes most of its budget."""
+
+
 def keep_system_prefix(
-    cache: CompressedDynamicCache, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    cache: CompressedDynamicCache,
+    tokenizer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    policy: Policy | None = None,
 ) -> None:
     """Have every token policy keep the chat template's preamble (system prompt, user header)
-    that the context starts with: its first tokens are where attention sinks."""
+    that the context starts with: its first tokens are where attention sinks. Warns when that
+    preamble would take most of what ``policy`` (the cache's own by default) keeps."""
     found = replay.system_prefix_length(tokenizer, input_ids, attention_mask)
     cache.sink_tokens = max(cache.sink_tokens, found)
+    policy = cache.policy if cache.policy is not None else policy
+    warn_if_preamble_fills_budget(policy, cache.sink_tokens, attention_mask)
+
+
+def warn_if_preamble_fills_budget(
+    policy: Policy | None, preamble: int, attention_mask: torch.Tensor
+) -> None:
+    """Warn when the always-kept preamble is at least half of the tokens a head keeps of the
+    shortest row: a short document compressed at a high ratio then keeps little of its own text
+    (the budget counts the preamble), and answers about it go wrong without an error."""
+    tokens = token_part(policy) if policy is not None else None
+    ratio = getattr(tokens, "ratio", 0.0)
+    if not preamble or not ratio:
+        return
+    shortest = int(attention_mask.sum(-1).min())
+    budget = shortest - math.floor(shortest * ratio + 1e-9)
+    kept = min(shortest, max(budget, tokens.protected_tokens, preamble))
+    if 2 * preamble <= kept:
+        return
+    # (1 - r) * n >= 2 * preamble keeps at least as many of the context's own tokens
+    safe = math.floor(100 * (1 - 2 * preamble / shortest)) / 100
+    advice = (
+        f"ratio {safe:g} or less keeps at least as many of its own tokens"
+        if safe > 0
+        else "a context this short is better kept whole (ratio 0)"
+    )
+    warnings.warn(
+        f"the chat template's preamble ({preamble} tokens, always kept) takes {preamble}"
+        f" of the {kept} tokens a head keeps of this {shortest}-token context at ratio {ratio:g}:"
+        f" little of the context itself is kept; {advice}",
+        ShortContextWarning,
+        stacklevel=4,
+    )
 
 
 @torch.no_grad()

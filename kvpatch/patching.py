@@ -219,11 +219,12 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     prefill itself."""
     ids = generate_args.prompt_ids(args, kwargs)
     tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
+    policy = cache.policy if cache.policy is not None else policy_of(model)
     if ids is not None and tokenizer is not None:
-        keep_system_prefix(cache, tokenizer, ids, generate_args.prompt_mask(ids, kwargs))
+        mask = generate_args.prompt_mask(ids, kwargs)
+        keep_system_prefix(cache, tokenizer, ids, mask, policy)
     assisted = ids is not None and generate_args.assisted(model, kwargs)
     cache.prompt_tokens = ids.shape[-1] if assisted else None  # a reused cache: set anew
-    policy = cache.policy if cache.policy is not None else policy_of(model)
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     scorer_maps.prepare(model, policy)
     if policy is not None and (replay_needed(policy) or cache.prefill_chunk_size is not None):

@@ -12,6 +12,7 @@ from conftest import unpatched_chat_reply
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpatch import cli
+from kvpatch.terminal import prefill_bar
 from kvpatch.testing import save_tiny_checkpoint
 
 
@@ -65,6 +66,24 @@ def test_compress_once_then_ask_in_another_command(checkpoint, tmp_path, capsys)
     for question in questions:
         turn = [{"role": "user", "content": f"{DOCUMENT}\n\n{question}"}]
         assert f"Q: {question}\nA: {unpatched_reply(checkpoint, turn, 6).strip()}\n" in out
+
+
+def test_compress_warns_when_the_preamble_fills_a_short_documents_budget(
+    checkpoint, tmp_path, capsys
+):
+    """Two sentences at 0.9: the template's preamble is most of what is kept, and the command
+    says so on stderr, in its own words, with a ratio that keeps more; at 0.1 it says nothing."""
+    document, saved = tmp_path / "doc.txt", tmp_path / "doc.kvz"
+    document.write_text(DOCUMENT)
+    argv = ["compress", str(document), "--out", str(saved), "--model", checkpoint]
+    assert cli.main([*argv, "--policy", "knorm:0.9"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(
+        r"kvpatch compress: warning: the chat template's preamble .* ratio 0\.\d+ or less", err
+    )
+    assert "UserWarning" not in err and "wrote" in err
+    assert cli.main([*argv, "--policy", "knorm:0.1"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_the_pipeline_answers_from_a_loaded_context(checkpoint, tmp_path):
@@ -203,7 +222,7 @@ def test_the_prefill_bar_counts_the_prompt_and_closes_before_the_answer(chunk):
 
     model, ids = tiny_model(), random_prompt(50)
     closed_at_decode = []
-    with kvpatch.enabled(model, "snapkv:0.5"), cli._prefill_bar(model, ids) as bar:
+    with kvpatch.enabled(model, "snapkv:0.5"), prefill_bar(model, ids) as bar:
 
         def first_step(module, args, kwargs):
             tokens = kwargs.get("input_ids")

@@ -4,6 +4,8 @@ preamble (system prompt, user header) keeps all of it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_model, prompt
@@ -122,7 +124,58 @@ def test_prefill_keeps_the_template_preamble(policy):
     preamble = system_prefix_length(tokenizer, ids, torch.ones_like(ids))
     assert preamble > 30
     model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
-    with kvpatch.enabled(model, policy, tokenizer=tokenizer):
+    most_of_the_budget = pytest.warns(kvpatch.ShortContextWarning, match="preamble")
+    with kvpatch.enabled(model, policy, tokenizer=tokenizer), most_of_the_budget:
         context = kvpatch.prefill(model, ids, tokenizer=tokenizer)
     for positions in kept(context.cache):
         assert set(range(preamble)) <= positions
+
+
+def rendered_document(tokenizer, document: str) -> torch.Tensor:
+    tokenizer.chat_template = (
+        "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
+        + kvpatch.testing.CHAT_TEMPLATE
+    )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": document}], tokenize=False
+    )
+    return tokenizer(rendered, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def test_a_short_document_warns_when_the_preamble_fills_the_budget():
+    """A note barely longer than the template's preamble, compressed at 0.75: the preamble takes
+    most of the budget, and the warning says so with the numbers and a ratio that keeps more."""
+    tokenizer = byte_tokenizer()
+    ids = rendered_document(tokenizer, "Dana meets Ada on Thursday at 3 pm in room 204.")
+    preamble = system_prefix_length(tokenizer, ids, torch.ones_like(ids))
+    n = ids.shape[1]
+    kept_at = n - int(n * 0.75)
+    assert 2 * preamble > kept_at  # the case the warning is for
+    model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
+    with kvpatch.enabled(model, "knorm:0.75", tokenizer=tokenizer):
+        said = rf"preamble \({preamble} tokens.*{n}-token context"
+        with pytest.warns(kvpatch.ShortContextWarning, match=said):
+            kvpatch.prefill(model, ids, tokenizer=tokenizer)
+        with pytest.warns(kvpatch.ShortContextWarning, match="preamble"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    safe = 1 - 2 * preamble / n
+    lower = f"knorm:{safe - 0.01:.2f}"
+    with kvpatch.enabled(model, lower, tokenizer=tokenizer), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvpatch.prefill(model, ids, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize(
+    "policy", ["knorm:0.75", "knorm:0", "keydiff:0.75/window=512", "think:0.5"]
+)
+def test_no_warning_where_the_context_keeps_enough_of_itself(policy):
+    """A long document at 0.75, any document at ratio 0, a window that keeps the whole prompt,
+    channel pruning alone: nothing to warn about."""
+    tokenizer = byte_tokenizer()
+    long = policy == "knorm:0.75"
+    text = "Lease of 12 May: the tenant is Ada, the rent 930 a month. " * (12 if long else 1)
+    ids = rendered_document(tokenizer, text)
+    model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
+    with kvpatch.enabled(model, policy, tokenizer=tokenizer), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvpatch.prefill(model, ids, tokenizer=tokenizer)
