@@ -250,9 +250,10 @@ def prefill(
     input_ids, attention_mask = checks.token_batch(input_ids, attention_mask)
     checks.no_empty_rows(attention_mask)
     cache = CompressedDynamicCache(config=model.config, policy=policy, **cache_kwargs)
-    check_chunk_size(chunk_size, cache.policy if cache.policy is not None else policy_of(model))
+    in_force = cache.policy if cache.policy is not None else policy_of(model)
+    check_chunk_size(chunk_size, in_force)
     if tokenizer is not None:  # given for this context: its chat template's preamble is kept
-        keep_system_prefix(cache, tokenizer, input_ids, attention_mask, policy_of(model))
+        keep_system_prefix(cache, tokenizer, input_ids, attention_mask, in_force)
     get_tokenizer = lambda: tokenizer_of(model, tokenizer)
     logits = prefill_into(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size)
     return CompressedContext(model, input_ids, attention_mask, cache, logits)

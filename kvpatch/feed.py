@@ -49,11 +49,12 @@ def keep_system_prefix(
 ) -> None:
     """Have every token policy keep the chat template's preamble (system prompt, user header)
     that the context starts with: its first tokens are where attention sinks. Warns when that
-    preamble would take most of what ``policy`` (the cache's own by default) keeps."""
+    preamble would take most of what ``policy`` (the one in force) keeps at its ratio (not under
+    ``max_kv_tokens``, a budget in tokens that keeps each turn whole)."""
     found = replay.system_prefix_length(tokenizer, input_ids, attention_mask)
     cache.sink_tokens = max(cache.sink_tokens, found)
-    policy = cache.policy if cache.policy is not None else policy
-    warn_if_preamble_fills_budget(policy, cache.sink_tokens, attention_mask)
+    if cache.max_kv_tokens is None:
+        warn_if_preamble_fills_budget(policy, cache.sink_tokens, attention_mask)
 
 
 def warn_if_preamble_fills_budget(

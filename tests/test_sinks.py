@@ -179,3 +179,15 @@ def test_no_warning_where_the_context_keeps_enough_of_itself(policy):
     with kvpatch.enabled(model, policy, tokenizer=tokenizer), warnings.catch_warnings():
         warnings.simplefilter("error")
         kvpatch.prefill(model, ids, tokenizer=tokenizer)
+
+
+def test_no_warning_under_a_budget_in_tokens():
+    """``max_kv_tokens`` keeps each turn whole (a chat's history): the ratio sets no budget, so
+    a short turn is no short context."""
+    tokenizer = byte_tokenizer()
+    ids = rendered_document(tokenizer, "Dana meets Ada on Thursday at 3 pm in room 204.")
+    model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
+    with kvpatch.enabled(model, "knorm:0.75", tokenizer=tokenizer), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        context = kvpatch.prefill(model, ids, tokenizer=tokenizer, max_kv_tokens=512)
+    assert all(len(positions) == ids.shape[1] for positions in kept(context.cache))
