@@ -9,6 +9,7 @@ from oracle import evictions_of, greedy_logits, oracle_logits
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, packed_attention
+from kvpatch.testing import tiny_model
 
 ORACLE_POLICIES = [
     "knorm:0.5",
@@ -96,6 +97,37 @@ def test_models_match_oracle(name):
     assert evictions and not set(evictions) & set(sliding), "sliding layers stay uncompressed"
     expected = oracle_logits(model, ids, evictions, tokens)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+#: Gemma 3 270M's attention (4 query heads sharing 1 KV head of 256 channels, sliding layers
+#: between full ones) in 4 tiny layers, 2 of each kind so that layer budgets have a choice
+GEMMA3_270M_SHAPE = dict(
+    num_attention_heads=4, num_key_value_heads=1, head_dim=256, hidden_size=64,
+    num_hidden_layers=4, sliding_window=64,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa-padded", "eager"])
+@pytest.mark.parametrize(
+    "policy",
+    ["snapkv:0.6", "ada-snapkv:0.6", "global-snapkv:0.6", "keydiff:0.75", "think:0.5+snapkv:0.5",
+     "think-v:0.25+snapkv:0.5"],
+)  # fmt: skip
+def test_gemma3_270m_shape_matches_oracle(policy, attn, monkeypatch):
+    """At the real model's head shape, the full-attention layers hold what the oracle masks and
+    the sliding layers their window, through the prefill and decode steps past the window."""
+    if attn == "sdpa-padded":
+        monkeypatch.setattr(packed_attention, "DEVICES", ())
+    model = tiny_model("gemma3", attn.removesuffix("-padded"), key_scale=4.0, **GEMMA3_270M_SHAPE)
+    ids = prompt(300)
+    logits, tokens, cache = compressed_run(model, policy, ids)
+    evictions = evictions_of(cache)
+    assert sorted(evictions) == [1, 3], "only the full-attention layers are compressed"
+    expected = oracle_logits(model, ids, evictions, tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    held = [layer.keys.shape[-2] for i, layer in enumerate(cache.layers) if i in (0, 2)]
+    assert all(n < ids.shape[1] for n in held), "the sliding layers hold their window, not all"
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
