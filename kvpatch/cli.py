@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt-file", help="read the prompt from this file")
     generate.add_argument(
         "--no-chat-template", dest="chat_template", action="store_false",
-        help="send the prompt as it is (default: in the model's chat template, as a user turn)",
+        help="send the prompt as it is (default: in the model's chat template, as a user turn; "
+        "a model without one continues the prompt as written)",
     )  # fmt: skip
     generate.add_argument(
         "--prefill-chunk", type=int,
@@ -147,8 +148,10 @@ def run_generate(args) -> int:
     text = _prompt_text(args)
     kvpatch.parse_policy(args.policy)  # a typo fails before the model loads
     model, tokenizer = load_model(args.model, args.attn, args.dtype)
+    # a base model (no chat template) continues the prompt as written, as the eval's completion
+    # format does; a made-up "User:/Assistant:" frame would only make it echo the prompt
     templated = args.chat_template and bool(getattr(tokenizer, "chat_template", None))
-    if args.chat_template:
+    if templated:
         text = render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
     # a chat template writes its own BOS; plain text gets the one the tokenizer adds (Gemma's)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated).input_ids

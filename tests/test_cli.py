@@ -38,6 +38,26 @@ def test_generate_streams_the_answer_and_reports_the_cache(checkpoint, capsys):
     assert "KV cache:" in err and "MiB uncompressed" in err and "tokens/s" in err
 
 
+def test_generate_continues_the_prompt_of_a_model_without_a_chat_template(tmp_path, capsys):
+    """A base model gets the prompt as written (completion), not a made-up chat frame."""
+    chat = save_tiny_checkpoint(tmp_path / "chat")
+    model = AutoModelForCausalLM.from_pretrained(chat).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = None
+    path = tmp_path / "base"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert not AutoTokenizer.from_pretrained(path).chat_template
+    prompt = "The key is under the"
+    assert cli.main(["generate", prompt, "--model", str(path), "--policy", "snapkv:0",
+                     "--max-new-tokens", "8"]) == 0  # fmt: skip
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=ids.ne(-1), max_new_tokens=8, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert capsys.readouterr().out.rstrip("\n") == expected
+
+
 def test_generate_from_a_file_in_chunks(checkpoint, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("a long document. " * 40)
