@@ -24,17 +24,30 @@ from kvpatch.policies import Policy, parse_policy
 _MARKER = "\x00kvpatch-split\x00"
 
 
+def bos_text(tokenizer) -> str:
+    """The BOS token's text if the tokenizer starts every encoded text with it (Gemma's does,
+    and a base model is lost without it), else ``""``."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos is None or tokenizer.bos_token_id is None:
+        return ""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids[:1] == [tokenizer.bos_token_id] else ""
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """``messages`` as text: the tokenizer's chat template (no turns: no text), or plain
-    ``Role: text`` lines."""
+    ``Role: text`` lines after the BOS token the tokenizer would add (the text is encoded
+    without special tokens, as a template's is)."""
     if getattr(tokenizer, "chat_template", None):
         if not messages:
             return ""
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+    if not messages and not add_generation_prompt:
+        return ""
     text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
-    return text + ("Assistant:" if add_generation_prompt else "")
+    return bos_text(tokenizer) + text + ("Assistant:" if add_generation_prompt else "")
 
 
 def split_turn(tokenizer, head: str = "") -> tuple[str, str]:

@@ -57,9 +57,8 @@ def features_and_targets(
     hidden]`` its attention read and the log KVzip+ targets ``[tokens, kv_heads]``, the leading
     tokens every policy keeps left out."""
     scorer = scorer or KVzipPlus()
-    before, _ = context_text(tokenizer, document)
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    ids = tokenizer(before, return_tensors="pt", add_special_tokens=not templated).input_ids
+    before, _ = context_text(tokenizer, document)  # as `kvpatch compress` prefills it
+    ids = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(next(model.parameters()).device)
     mask = torch.ones_like(ids)
     cache = CompressedDynamicCache(config=model.config, policy=scorer)

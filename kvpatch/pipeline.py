@@ -26,7 +26,7 @@ import contextlib
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from kvpatch.chat import split_turn
+from kvpatch.chat import bos_text, split_turn
 from kvpatch.context import CompressedContext, prefill
 from kvpatch.patching import enabled, is_enabled
 from kvpatch.policies import DEFAULT_POLICY, parse_policy
@@ -43,7 +43,9 @@ class CompressedQAPipeline(Pipeline):
         What to keep of the context (e.g. ``"global-kvzip:0.75"``); by default the enabled
         model's own policy, else :data:`kvpatch.DEFAULT_POLICY` (``keydiff:0.5/window=64``).
     chat_template : bool, default True
-        Put the context and question into the tokenizer's chat template (when it has one).
+        Put the context and question into the tokenizer's chat template (when it has one);
+        without one, each question is continued as written (a base model's completion prefix,
+        e.g. ``"The meeting with Dana is in room"``).
     separator : str, default "\\n\\n"
         Between the context and the question.
     Other keyword arguments of a call go to ``generate`` (``max_new_tokens``, ``do_sample``...).
@@ -135,9 +137,13 @@ def context_text(
     tokenizer, context: str, chat_template: bool = True, separator: str = "\n\n"
 ) -> tuple[str, str]:
     """The text before a question (``context`` and ``separator`` in the chat template's user
-    turn) and after it (the end of turn and the assistant's prefix)."""
+    turn) and after it (the end of turn and the assistant's prefix).
+
+    Without a chat template (a base model, or ``chat_template=False``) the question is a
+    completion prefix that the model continues as written, after the BOS token the tokenizer
+    would add (the text is encoded without special tokens)."""
     if not chat_template or not getattr(tokenizer, "chat_template", None):
-        return context + separator, "\n"
+        return bos_text(tokenizer) + context + separator, ""
     return split_turn(tokenizer, head=context + separator)
 
 

