@@ -98,3 +98,34 @@ def test_every_published_result_has_its_command():
     named = {output_of(argv) for _, argv in COMMANDS}
     stored = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "docs").glob("*/results.json")}
     assert stored - named == set()
+
+
+#: a published result and the policies rerun from it, on the model it was made with (no kvzap:
+#: the tests give it a random map)
+RERUNS = [
+    ("docs/results-gemma-2k", ["span-snapkv", "keydiff", "kvzip"], "gemma3-270m"),
+    ("docs/results-gemma-multikey-multivalue", ["keydiff/n_sink=0", "tova"], "gemma3-270m"),
+    ("docs/results", ["snapkv", "keydiff", "global-kvzip"], "smollm2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output, policies, model", RERUNS, ids=[r[0] for r in RERUNS])
+def test_a_published_result_reproduces(output, policies, model, tmp_path):
+    """Its command, on the first context of each task and one ratio, gives the stored answers
+    word for word (the same seed and samples; a run on another CPU may round differently)."""
+    from kvpatch import demo
+    from kvpatch.eval.run import run_eval
+
+    if not demo.is_cached(model=model):
+        pytest.skip(f"{model} is not cached: python -m kvpatch.demo --model {model}")
+    stored = json.loads((ROOT / output / "results.json").read_text())
+    made_with = {k: v for k, v in stored["config"].items() if k in EvalConfig.__dataclass_fields__}
+    rerun_with = dict(policies=policies, ratios=[0.75], samples=1, output=str(tmp_path))
+    config = EvalConfig(**{**made_with, **rerun_with, "plot": False, "progress": False})
+    rerun = run_eval(config)["records"]
+    # a sample is known by its needles (its index depends on how many samples each task has)
+    key = lambda r: (r["task"], r["mode"], r["spec"], str(r["expected"]), r["depth"])
+    expected = {key(r): r["answer"] for r in stored["records"]}
+    assert rerun and all(key(r) in expected for r in rerun)
+    assert {key(r): r["answer"] for r in rerun} == {key(r): expected[key(r)] for r in rerun}
