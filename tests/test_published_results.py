@@ -3,7 +3,8 @@
 Every ``kvpatch eval`` command the README and the documentation pages give (in a shell block or
 inline) that writes to ``docs/`` must parse, and must name the settings its stored results were
 made with (``results.json``'s ``config``); every stored result must have such a command. Set
-order (policies, ratios, tasks, modes) changes only the order of a table's rows.
+order (policies, ratios, tasks, modes) changes only the order of a table's rows. Marked ``slow``
+(the real models): rerun on its first contexts, a published result gives its stored answers.
 """
 
 from __future__ import annotations
