@@ -4,88 +4,106 @@
 >>> kvpatch.enable(model, "think+snapkv")
 >>> model.generate(**inputs)
 
-Importing kvpatch changes nothing in transformers until ``enable``, except that it registers the
-``"kvpatch-text-generation"`` pipeline (:mod:`kvpatch.pipeline`).
+Importing kvpatch changes nothing in transformers until ``enable``, except that the
+``"kvpatch-text-generation"`` pipeline (:mod:`kvpatch.pipeline`) is registered as soon as
+transformers' pipelines are imported. Its names are imported on first use (:mod:`kvpatch.lazy`).
 """
 
-from kvpatch.cache import (
-    CacheStats,
-    CompressedDynamicCache,
-    CompressedLayer,
-    Quantization,
-    cache_nbytes,
-)
-from kvpatch.chat import ChatSession
-from kvpatch.context import CompressedContext, load_context, prefill
-from kvpatch.feed import ShortContextWarning
-from kvpatch.patching import disable, enable, enabled, is_enabled
-from kvpatch.pipeline import CompressedQAPipeline
-from kvpatch.pipeline import register as _register_pipeline
-from kvpatch.policies import (
-    DEFAULT_POLICY,
-    TOVA,
-    AdaKV,
-    ExpectedAttention,
-    GlobalBudgets,
-    KeyDiff,
-    Knorm,
-    KVzip,
-    KVzipPlus,
-    Policy,
-    Pyramid,
-    RandomScorer,
-    SnapKV,
-    Spans,
-    SpanSnapKV,
-    SpanTOVA,
-    StreamingLLM,
-    ThinK,
-    ThinKValues,
-    parse_policy,
-    policy_names,
-)
-from kvpatch.shared_prefill import SharedPrefill
+from typing import TYPE_CHECKING
+
+import wrapt
+
+from kvpatch.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_POLICY",
-    "TOVA",
-    "AdaKV",
-    "CacheStats",
-    "ChatSession",
-    "CompressedContext",
-    "CompressedDynamicCache",
-    "CompressedLayer",
-    "CompressedQAPipeline",
-    "ExpectedAttention",
-    "GlobalBudgets",
-    "KVzip",
-    "KVzipPlus",
-    "KeyDiff",
-    "Knorm",
-    "Policy",
-    "Pyramid",
-    "Quantization",
-    "RandomScorer",
-    "SharedPrefill",
-    "ShortContextWarning",
-    "SnapKV",
-    "SpanSnapKV",
-    "SpanTOVA",
-    "Spans",
-    "StreamingLLM",
-    "ThinK",
-    "ThinKValues",
-    "cache_nbytes",
-    "disable",
-    "enable",
-    "enabled",
-    "is_enabled",
-    "load_context",
-    "parse_policy",
-    "policy_names",
-    "prefill",
-]
+#: each module and the names it gives the package (the imports below, for static tools)
+EXPORTS = {
+    "kvpatch.cache": (
+        "CacheStats",
+        "CompressedDynamicCache",
+        "CompressedLayer",
+        "Quantization",
+        "cache_nbytes",
+    ),
+    "kvpatch.chat": ("ChatSession",),
+    "kvpatch.context": ("CompressedContext", "load_context", "prefill"),
+    "kvpatch.feed": ("ShortContextWarning",),
+    "kvpatch.patching": ("disable", "enable", "enabled", "is_enabled"),
+    "kvpatch.pipeline": ("CompressedQAPipeline",),
+    "kvpatch.policies": (
+        "DEFAULT_POLICY",
+        "TOVA",
+        "AdaKV",
+        "ExpectedAttention",
+        "GlobalBudgets",
+        "KeyDiff",
+        "Knorm",
+        "KVzip",
+        "KVzipPlus",
+        "Policy",
+        "Pyramid",
+        "RandomScorer",
+        "SnapKV",
+        "Spans",
+        "SpanSnapKV",
+        "SpanTOVA",
+        "StreamingLLM",
+        "ThinK",
+        "ThinKValues",
+        "check_policy_names",
+        "parse_policy",
+        "policy_names",
+    ),
+    "kvpatch.shared_prefill": ("SharedPrefill",),
+}
+__all__ = sorted(name for names in EXPORTS.values() for name in names)
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
 
-_register_pipeline()
+if TYPE_CHECKING:
+    from kvpatch.cache import (
+        CacheStats,
+        CompressedDynamicCache,
+        CompressedLayer,
+        Quantization,
+        cache_nbytes,
+    )
+    from kvpatch.chat import ChatSession
+    from kvpatch.context import CompressedContext, load_context, prefill
+    from kvpatch.feed import ShortContextWarning
+    from kvpatch.patching import disable, enable, enabled, is_enabled
+    from kvpatch.pipeline import CompressedQAPipeline
+    from kvpatch.policies import (
+        DEFAULT_POLICY,
+        TOVA,
+        AdaKV,
+        ExpectedAttention,
+        GlobalBudgets,
+        KeyDiff,
+        Knorm,
+        KVzip,
+        KVzipPlus,
+        Policy,
+        Pyramid,
+        RandomScorer,
+        SnapKV,
+        Spans,
+        SpanSnapKV,
+        SpanTOVA,
+        StreamingLLM,
+        ThinK,
+        ThinKValues,
+        check_policy_names,
+        parse_policy,
+        policy_names,
+    )
+    from kvpatch.shared_prefill import SharedPrefill
+
+
+def _register_pipeline(_transformers_pipelines) -> None:
+    # importing kvpatch.pipeline registers it; it may be importing transformers.pipelines itself
+    # right now (then it registers once its own import ends)
+    import kvpatch.pipeline
+
+
+wrapt.register_post_import_hook(_register_pipeline, "transformers.pipelines")

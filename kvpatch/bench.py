@@ -1,4 +1,5 @@
-"""``kvpatch bench``: decode speed and KV bytes of policies against the full cache, on a model.
+"""``kvpatch bench``: decode speed and KV bytes of policies against the full cache, on a model
+(its options in :mod:`kvpatch.cli.bench`).
 
 Every configuration prefills the same random context and decodes ``--tokens`` tokens greedily.
 The configurations' ``generate`` calls run side by side and take turns, one decode step each
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,9 +21,7 @@ from typing import TypeVar
 import torch
 
 import kvpatch
-from kvpatch.demo import DemoModelUnavailable
-from kvpatch.loading import add_model_options, load_model
-from kvpatch.policies import DEFAULT_POLICY
+from kvpatch.loading import load_model
 
 FULL = "full"
 T = TypeVar("T")
@@ -131,37 +129,12 @@ def decode_into(model, ids: torch.Tensor, policy: str, tokens: int, clock: TurnC
     return kvpatch.cache_nbytes(cache)
 
 
-def parser() -> argparse.ArgumentParser:
-    description = __doc__.splitlines()[0].replace("``", "")
-    parser = argparse.ArgumentParser(prog="kvpatch bench", description=description)
-    add_model_options(parser, None, new_tokens=False)
-    parser.add_argument(
-        "--policies", nargs="+", default=[DEFAULT_POLICY],
-        help="the policies timed against the full cache (default: %(default)s, the default of "
-        "the other commands)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--context", type=int, default=2048, help="prompt tokens (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--tokens", type=int, default=32, help="tokens decoded per run (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Time ``args.policies`` against the full cache (the options of :mod:`kvpatch.cli.bench`)."""
     policies = args.policies
-    try:
-        for policy in policies:
-            kvpatch.parse_policy(policy)
-        model, _ = load_model(args.model, args.attn, args.dtype)
-    except (ValueError, DemoModelUnavailable) as error:  # the latter says how to fetch it
-        print(f"kvpatch bench: error: {error}", file=sys.stderr)
-        return 2
+    for policy in policies:
+        kvpatch.parse_policy(policy)
+    model, _ = load_model(args.model, args.attn, args.dtype)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (1, args.context), generator=generator).to(model.device)
@@ -191,7 +164,3 @@ def print_table(runs: dict[str, list[tuple[float, int]]], context: int) -> None:
             f"| {policy} | {held / 2**20:.1f} | {held / full_bytes:.3f} | {seconds * 1e3:.1f} | "
             f"{seconds / full_s:.2f} |"
         )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

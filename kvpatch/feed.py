@@ -70,7 +70,7 @@ def warn_if_preamble_fills_budget(
     shortest = int(attention_mask.sum(-1).min())
     budget = shortest - math.floor(shortest * ratio + 1e-9)
     kept = min(shortest, max(budget, tokens.protected_tokens, preamble))
-    if 2 * preamble <= kept:
+    if 2 * preamble <= kept or kept == shortest:  # or a context kept whole: nothing is lost
         return
     # (1 - r) * n >= 2 * preamble keeps at least as many of the context's own tokens
     safe = math.floor(100 * (1 - 2 * preamble / shortest)) / 100

@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -205,45 +204,10 @@ def _fit_layer(entry: _Layer, kind: str, width: int, epochs: int):
     return found, row
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvpatch fit-scorer``."""
-    from kvpatch.loading import add_model_options, load_model
+def run(args: argparse.Namespace) -> int:
+    """Fit and write the map (the options of :mod:`kvpatch.cli.fit_scorer`)."""
+    from kvpatch.loading import load_model
 
-    parser = argparse.ArgumentParser(
-        prog="kvpatch fit-scorer",
-        description="Fit the kvzap scorer of a model: a map from each token's hidden state to "
-        "its KVzip+ score, written where the kvzap policy finds it.",
-    )
-    add_model_options(parser, policy=None, new_tokens=False)
-    parser.add_argument(
-        "--text-files", nargs="+", type=Path, default=None,
-        help="training documents, one per file (default: texts the model writes itself from "
-        "built-in seed prompts)",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the map's file (default: the model's file in the kvpatch cache, "
-                        "where kvzap looks)")  # fmt: skip
-    parser.add_argument(
-        "--kind",
-        default="linear",
-        choices=("linear", "mlp"),
-        help="a ridge regression per layer, or a two-layer MLP (default: linear)",
-    )
-    parser.add_argument(
-        "--samples",
-        type=int,
-        default=12,
-        help="texts the model writes when no files are given (default: 12)",
-    )
-    parser.add_argument(
-        "--sample-tokens", type=int, default=512, help="tokens of each written text (default: 512)"
-    )
-    parser.add_argument(
-        "--held-out", type=int, default=1, help="documents held out to report the fit (default: 1)"
-    )
-    args = parser.parse_args(argv)
-    if args.held_out < 1 or args.samples < 2 or args.sample_tokens < 16:
-        parser.error("--held-out >= 1, --samples >= 2 and --sample-tokens >= 16")
     say = lambda message: print(f"kvpatch fit-scorer: {message}", file=sys.stderr, flush=True)
     model, tokenizer = load_model(args.model, args.attn, args.dtype)
     if args.text_files:
@@ -263,7 +227,3 @@ def main(argv: list[str] | None = None) -> int:
         f"written to {out}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

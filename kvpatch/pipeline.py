@@ -152,3 +152,6 @@ def register() -> None:
     PIPELINE_REGISTRY.register_pipeline(
         TASK, pipeline_class=CompressedQAPipeline, pt_model=AutoModelForCausalLM
     )
+
+
+register()

@@ -4,6 +4,7 @@ haystacks)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -59,14 +60,38 @@ def sample_texts(
         tokenizer.padding_side = side
     device = next(model.parameters()).device
     encoded = {k: v.to(device) for k, v in encoded.items()}
+    from transformers import StoppingCriteriaList
+
     progress(f"writing {count} training texts of up to {tokens} tokens (sampled, seed {seed})")
     torch.manual_seed(seed)
     out = model.generate(
-        **encoded, max_new_tokens=tokens, do_sample=True, temperature=0.8, top_p=0.95,
-        pad_token_id=tokenizer.pad_token_id, use_cache=True,
-    )  # fmt: skip
+        **encoded,
+        max_new_tokens=tokens,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        stopping_criteria=StoppingCriteriaList([_Written(tokens, progress)]),
+    )
     new = out[:, encoded["input_ids"].shape[1] :]
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+class _Written:
+    """A stopping criterion that never stops: says every eighth of the way how many tokens
+    each text has so far (writing them takes minutes on a CPU)."""
+
+    def __init__(self, tokens: int, progress: Callable[[str], None]):
+        self.tokens, self.progress = tokens, progress
+        self.every, self.steps, self.start = max(1, tokens // 8), 0, time.perf_counter()
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        self.steps += 1
+        if self.steps % self.every == 0 and self.steps < self.tokens:
+            seconds = time.perf_counter() - self.start
+            self.progress(f"  {self.steps}/{self.tokens} tokens of each text ({seconds:.0f} s)")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def documents(texts: list[str], per_document: int = 3) -> list[str]:

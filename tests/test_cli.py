@@ -13,7 +13,7 @@ from conftest import unpatched_chat_reply
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpatch import cli
-from kvpatch.terminal import prefill_bar
+from kvpatch.terminal import TimedStream, prefill_bar
 from kvpatch.testing import save_tiny_checkpoint
 
 
@@ -242,37 +242,42 @@ def test_the_prefill_bar_counts_the_prompt_and_closes_before_the_answer(chunk):
     from kvpatch.testing import random_prompt, tiny_model
 
     model, ids = tiny_model(), random_prompt(50)
-    closed_at_decode = []
-    with kvpatch.enabled(model, "snapkv:0.5"), prefill_bar(model, ids) as bar:
+    seen_by_the_answer = []  # (prefill bar's count, closed) when the first new token is shown
+    with kvpatch.enabled(model, "snapkv:0.5"), prefill_bar(model, ids) as bars:
 
-        def first_step(module, args, kwargs):
-            tokens = kwargs.get("input_ids")
-            if tokens is not None and tokens.shape[-1] == 1 and not closed_at_decode:
-                closed_at_decode.append(bar.disable)  # tqdm disables a closed bar
+        def first_token():
+            seen_by_the_answer.append((bars.prefill.n, bars.prefill.disable))
+            bars.close()
 
-        hook = model.get_decoder().register_forward_pre_hook(first_step, with_kwargs=True)
         cache = kvpatch.CompressedDynamicCache(config=model.config, prefill_chunk_size=chunk)
         model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
-            pad_token_id=0, **{kvpatch.compat.cache_argument(model): cache},
-        )  # fmt: skip
-        hook.remove()
-    assert bar.n == ids.shape[1]
-    assert closed_at_decode == [True]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=TimedStream(before_first_token=first_token),
+            **{kvpatch.compat.cache_argument(model): cache},
+        )
+    # tqdm disables a closed bar: the prefill's was done, at the prompt's length, before
+    assert seen_by_the_answer == [(ids.shape[1], True)]
+    assert bars.reconstruction is None  # no second pass for SnapKV
 
 
 def _options(parser):
     """Every (command, option) of a parser and its subcommands."""
     import argparse
 
-    from kvpatch import bench
+    from kvpatch.cli import bench, fit_scorer
+    from kvpatch.eval import cli as eval_cli
 
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 found += [(name, a) for a in sub._actions]
-    found += [("bench", a) for a in bench.parser()._actions]
+    for name, module in (("bench", bench), ("fit-scorer", fit_scorer), ("eval", eval_cli)):
+        found += [(name, a) for a in module.parser()._actions]
     return [(name, a) for name, a in found if a.option_strings and a.dest != "help"]
 
 
@@ -286,8 +291,135 @@ def test_every_flag_says_what_it_does_and_its_default():
 
 
 def test_bench_takes_one_flag_per_setting():
-    from kvpatch import bench
+    from kvpatch.cli import bench
 
     flags = {a.option_strings[0] for a in bench.parser()._actions if a.option_strings}
     assert "--policy" not in flags and "--max-new-tokens" not in flags
     assert {"--policies", "--tokens"} <= flags
+
+
+def test_generate_compare_puts_the_full_caches_answer_first(checkpoint, capsys):
+    """``--compare``: the full cache's answer is the unpatched model's, whatever the policy;
+    the compressed answer follows under the policy's name."""
+    argv = ["generate", "Where is the key?", "--model", checkpoint, "--max-new-tokens", "10"]
+    assert cli.main([*argv, "--policy", "knorm:0.9", "--compare"]) == 0
+    out = capsys.readouterr().out
+    expected = unpatched_reply(checkpoint, [{"role": "user", "content": "Where is the key?"}], 10)
+    full, _, compressed = out.partition("\nknorm:0.9: ")
+    assert full == f"full cache: {expected}"
+    assert compressed.strip()
+
+
+def test_ask_compare_answers_from_the_documents_tokens_too(checkpoint, tmp_path, capsys):
+    """The file keeps the document's tokens: ``--compare`` prefills them again into a cache that
+    keeps everything, and that answer is the unpatched model's, however hard the file was
+    compressed; every answer is printed before the next question is asked."""
+    document, saved = tmp_path / "doc.txt", tmp_path / "doc.kvz"
+    document.write_text(DOCUMENT)
+    argv = ["compress", str(document), "--out", str(saved), "--model", checkpoint]
+    assert cli.main([*argv, "--policy", "knorm:0.9"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"kept \d+ of \d+ tokens per head on average \(\d+%\)", err)
+    questions = ["Where is the key?", "When does the boat leave?"]
+    printed_before_each_call = []
+    from kvpatch.pipeline import CompressedQAPipeline
+
+    original = CompressedQAPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        printed_before_each_call.append(capsys.readouterr().out)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompressedQAPipeline, "__call__", recording)
+        assert cli.main(["ask", str(saved), *questions, "--max-new-tokens", "6", "--compare"]) == 0
+    printed_before_each_call.append(capsys.readouterr().out)
+    out = "".join(printed_before_each_call)
+    for question in questions:
+        turn = [{"role": "user", "content": f"{DOCUMENT}\n\n{question}"}]
+        full = unpatched_reply(checkpoint, turn, 6).strip()
+        assert f"Q: {question}\nA (full cache): {full}\nA (knorm): " in out
+    # two calls per question (full, compressed); the first question's answers were out before
+    # the second question's first call
+    assert len(printed_before_each_call) == 5
+    assert "A (knorm)" in printed_before_each_call[2] and questions[1] not in out.split("\n\n")[0]
+
+
+def test_ask_with_another_model_says_which_model_made_the_file(checkpoint, tmp_path, capsys):
+    document, saved = tmp_path / "doc.txt", tmp_path / "doc.kvz"
+    document.write_text(DOCUMENT)
+    argv = ["compress", str(document), "--out", str(saved), "--model", checkpoint]
+    assert cli.main([*argv, "--policy", "knorm:0.5"]) == 0
+    other = save_tiny_checkpoint(tmp_path / "other", seed=1)
+    capsys.readouterr()
+    assert cli.main(["ask", str(saved), "Who?", "--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"compressed with --model {checkpoint}: leave --model out" in err
+    assert f"compress the document again with --model {other}" in err
+
+
+def test_chat_compare_answers_each_turn_with_the_full_cache_too(checkpoint, monkeypatch, capsys):
+    """Each turn's full-cache reply is the unpatched model's reply to the conversation so far
+    (whose earlier replies are the compressed cache's, the ones the conversation kept)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi there\nand then?\n/quit\n"))
+    argv = ["chat", "--model", checkpoint, "--policy", "knorm:0.75", "--max-new-tokens", "8"]
+    assert cli.main([*argv, "--max-kv-tokens", "0", "--compare"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    full = [line.removeprefix("full cache: ") for line in out if line.startswith("full cache: ")]
+    said = [line.removeprefix("assistant: ") for line in out if line.startswith("assistant: ")]
+    history = [{"role": "user", "content": "hi there"}]
+    assert full[0] == unpatched_reply(checkpoint, history, 8)
+    history += [{"role": "assistant", "content": said[0]}, {"role": "user", "content": "and then?"}]
+    assert full[1] == unpatched_reply(checkpoint, history, 8)
+
+
+def test_a_prompt_within_the_window_is_kept_whole_without_a_warning(checkpoint, capsys):
+    """A question shorter than the policy's window loses nothing: no warning about the chat
+    template's preamble, one line saying everything was kept, and the decode speed apart from
+    the prefill; the answer is not preceded by what clearing a bar leaves."""
+    argv = ["generate", "Where is the key?", "--model", checkpoint, "--max-new-tokens", "6"]
+    assert cli.main([*argv, "--policy", "keydiff:0.5/window=64"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err
+    assert re.search(r"kept all \d+ tokens seen: nothing to drop", err)
+    assert re.search(r"6 tokens, decode [\d.]+ tokens/s \(prompt \d+ tokens\)", err)
+    assert not out.startswith(" ") and "\r" not in out
+
+
+def test_the_prefill_bar_moves_during_one_forward_and_shows_kvzips_second_pass():
+    """One forward over the whole prompt advances the bar layer by layer; KVzip's reconstruction
+    gets a bar of its own, after the prefill's reached the prompt's length."""
+    import kvpatch
+    from kvpatch.testing import random_prompt, tiny_model
+
+    tokenizer = kvpatch.testing.byte_tokenizer()  # KVzip's prompt to repeat the context
+    model, ids = tiny_model(vocab_size=len(tokenizer)), random_prompt(60, vocab=256)
+    layers = list(model.get_decoder().layers)
+    with kvpatch.enabled(model, "kvzip:0.5", tokenizer), prefill_bar(model, ids) as bars:
+        after_each_layer = []
+        hooks = [
+            layer.register_forward_hook(lambda *_: after_each_layer.append(bars.prefill.n))
+            for layer in layers
+        ]  # registered after the bar's own: they see its count once the layer is done
+        kvpatch.prefill(model, ids)
+        for hook in hooks:
+            hook.remove()
+    tokens = ids.shape[1]
+    first_forward = after_each_layer[: len(layers)]
+    assert first_forward == [round(tokens * (i + 1) / len(layers)) for i in range(len(layers))]
+    assert bars.prefill.n == tokens and bars.reconstruction is not None
+    assert bars.reconstruction.n > tokens  # the repeated context and its prompt
+
+
+def test_writing_training_text_says_how_far_it_got():
+    from kvpatch.testing import byte_tokenizer, tiny_model
+    from kvpatch.training_text import sample_texts
+
+    tokenizer = byte_tokenizer()
+    said: list[str] = []
+    texts = sample_texts(
+        tiny_model(vocab_size=len(tokenizer)), tokenizer, 2, 16, progress=said.append
+    )
+    assert len(texts) == 2
+    assert said[0].startswith("writing 2 training texts of up to 16 tokens")
+    assert [line.split()[0] for line in said[1:]] == [f"{n}/16" for n in range(2, 16, 2)]

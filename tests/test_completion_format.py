@@ -3,22 +3,19 @@ ending in the start of the answer, chosen when the tokenizer has no chat templat
 
 from __future__ import annotations
 
-import importlib
 import random
 
 import pytest
 import torch
 
 import kvpatch
+from kvpatch.eval import answering as answer_module
 from kvpatch.eval import cli as eval_cli
 from kvpatch.eval.codecs import PROMPT_FORMATS, ByteCodec, HFCodec
 from kvpatch.eval.config import EvalConfig, load_model
 from kvpatch.eval.run import run_eval
 from kvpatch.eval.tasks import INSTRUCTION, TASKS, make_context, make_sample
 from kvpatch.testing import SPECIAL_TOKENS, byte_tokenizer, tiny_model
-
-# the module (kvpatch.eval.answer is the function of that name)
-answer_module = importlib.import_module("kvpatch.eval.answer")
 
 
 def plain_tokenizer():

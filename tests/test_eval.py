@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import random
 
 import pytest
@@ -241,15 +242,20 @@ def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
         original(self, record)
 
     monkeypatch.setattr(journal.Journal, "add", stop_after_seven)
-    with pytest.raises(KeyboardInterrupt):
-        main([*args, "--output", str(stopped)])
+    assert main([*args, "--output", str(stopped)]) == 130  # Ctrl-C's exit status
     monkeypatch.setattr(journal.Journal, "add", original)
+    said = capsys.readouterr().err
+    # the estimate after the first context, then one line with the command that continues
+    assert "should take about" in said and "Traceback" not in said
+    again = said.strip().splitlines()[-1]
+    assert again.endswith(
+        f"{shlex.join(['kvpatch-eval', *args, '--output', str(stopped)])} --resume"
+    )
     lines = (stopped / "records.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 7  # the settings, then every answer as it finished
     # the first context (6 answers) was done: its tables were written
     partial = json.loads((stopped / "results.json").read_text())["records"]
     assert _answers(partial) == _answers([r for r in whole if r["sample"] == 0])
-    assert "should take about" in capsys.readouterr().err  # the estimate after that context
 
     assert main([*args, "--output", str(stopped), "--resume"]) == 0
     resumed = json.loads((stopped / "results.json").read_text())["records"]

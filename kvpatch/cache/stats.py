@@ -86,6 +86,17 @@ class CacheStats:
         ``nbytes`` is its ``full_nbytes``)."""
         return CacheStats([layer for layer in self.layers if layer.sliding])
 
+    def kept_note(self) -> str:
+        """One line: how many of the tokens seen a head of the full-attention layers holds."""
+        layers = [layer for layer in self.full_attention.layers if layer.held is not None]
+        if not layers:
+            return "kept: nothing cached yet"
+        seen = max(layer.seen for layer in layers)
+        held = torch.cat([layer.held.flatten() for layer in layers]).double().mean().item()
+        if held >= seen:
+            return f"kept all {seen} tokens seen: nothing to drop at this length and ratio"
+        return f"kept {held:.0f} of {seen} tokens per head on average ({held / seen:.0%})"
+
     def __str__(self) -> str:
         mib = 2**20
         text = (

@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from kvpatch.eval.codecs import PROMPT_FORMATS
-from kvpatch.eval.config import (
+from kvpatch import check_policy_names
+from kvpatch.eval.options import (
     DEFAULT_POLICIES,
     DEFAULT_RATIOS,
     DTYPES,
     MODES,
-    EvalConfig,
-    load_model,
+    PROMPT_FORMATS,
+    TASKS,
 )
-from kvpatch.eval.journal import CannotResume
-from kvpatch.eval.report import format_accuracy_grid, format_table
-from kvpatch.eval.run import run_eval
-from kvpatch.eval.tasks import TASKS
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "kvpatch-eval") -> argparse.ArgumentParser:
     # long: one add_argument per option, in the order --help shows them
     p = argparse.ArgumentParser(
-        prog="kvpatch-eval",
+        prog=prog,
         description=(
             "Accuracy, KV memory and speed of compression policies on RULER-style retrieval "
             "tasks generated on the fly; the full cache is the baseline of every run."
@@ -69,7 +66,9 @@ def parser() -> argparse.ArgumentParser:
         help="prompt length in tokens (default: %(default)s)",
     )
     p.add_argument("--samples", type=int, default=20, help="samples per task (default: 20)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="of the generated samples (default: %(default)s)"
+    )
     p.add_argument(
         "--model",
         default="demo",
@@ -88,9 +87,17 @@ def parser() -> argparse.ArgumentParser:
         dest="attn_implementation",
         default="sdpa",
         choices=("sdpa", "eager", "flash_attention_2"),
+        help="the attention kernel (default: %(default)s)",
     )
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--digits", type=int, default=6, help="digits of each magic number")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="the weights' dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--digits", type=int, default=6, help="digits of each magic number (default: %(default)s)"
+    )
     p.add_argument(
         "--output",
         default="kvpatch-eval",
@@ -139,26 +146,46 @@ def parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "kvpatch-eval") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser(prog).parse_args(argv)
+    try:  # a policy's name is checked before torch loads: a typo answers at once
+        for policy in args.policies:
+            check_policy_names(policy)
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, prog)
+    except KeyboardInterrupt:  # the journal holds every answer finished so far
+        again = shlex.join([*prog.split(), *argv, *([] if args.resume else ["--resume"])])
+        print(f"\n{prog}: interrupted; continue it with: {again}", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+    from kvpatch.demo import DemoModelUnavailable
+    from kvpatch.eval.config import EvalConfig, load_model
+    from kvpatch.eval.journal import CannotResume
+    from kvpatch.eval.report import format_accuracy_grid, format_table
+    from kvpatch.eval.run import run_eval
+
     try:
         config = EvalConfig(**vars(args))
     except ValueError as error:
-        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    from kvpatch.demo import DemoModelUnavailable
-
     try:  # a missing demo model says what to run; an unknown model what to give
         model, codec = load_model(
             config.model, config.attn_implementation, config.dtype, config.prompt_format
         )
     except (DemoModelUnavailable, ValueError) as error:
-        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
     try:
         result = run_eval(config, model, codec)
     except CannotResume as error:
-        print(f"kvpatch-eval: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     summary = result["summary"]
     print(format_table(summary))

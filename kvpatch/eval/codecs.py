@@ -9,9 +9,7 @@ model, or any tokenizer without a chat template), after the BOS token the tokeni
 from __future__ import annotations
 
 from kvpatch.chat import bos_text, render, split_turn
-
-#: how prompts are laid out: in the chat template, or as plain text to complete
-PROMPT_FORMATS = ("chat", "completion")
+from kvpatch.eval.options import PROMPT_FORMATS
 
 
 class Codec:

@@ -8,14 +8,10 @@ import torch
 
 import kvpatch
 from kvpatch import loading
-from kvpatch.eval.codecs import PROMPT_FORMATS, ByteCodec, HFCodec
-from kvpatch.eval.tasks import TASKS
+from kvpatch.eval.codecs import ByteCodec, HFCodec
+from kvpatch.eval.options import DEFAULT_POLICIES, DEFAULT_RATIOS, MODES, PROMPT_FORMATS, TASKS
 from kvpatch.testing import tiny_model
 
-DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "think:0.5+snapkv")
-DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.9)
-#: ``prefill``: the question is in the prefill; ``agnostic``: the context is compressed first
-MODES = ("prefill", "agnostic")
 FULL = "full"
 #: a haystack needs room around its needles and question
 MIN_CONTEXT_TOKENS = 64

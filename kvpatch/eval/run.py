@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import kvpatch
-from kvpatch.eval.answer import (
+from kvpatch.eval.answering import (
     AnswerComplete,
     answer,
     answer_shared,
@@ -51,8 +51,7 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
     journal = Journal.open(output, settings, config.resume)
     runner = _Runner(config, model, codec, journal)
     total = len(runner.runs) * len(config.modes) * len(samples)
-    runner.progress = _progress(total, config.progress)
-    runner.progress.update(len(journal.records))
+    runner.progress = _progress(total, len(journal.records), config.progress)
     clock = _Estimate(total, len(journal.records))
     was_enabled = kvpatch.is_enabled(model)
     try:
@@ -210,7 +209,9 @@ class _Runner:
         self.progress.update(1)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, done: int, enabled: bool):
+    """A bar over every run, starting at the ``done`` ones of a resumed run (its time left
+    estimated from the runs done now only)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is optional
@@ -225,7 +226,7 @@ def _progress(total: int, enabled: bool):
                 pass
 
         return _Silent()
-    return tqdm(total=total, desc="kvpatch-eval", unit="run")
+    return tqdm(total=total, initial=done, desc="kvpatch eval", unit="run")
 
 
 def context_groups(samples: list[Sample]) -> list[list[tuple[int, Sample]]]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpatch.eval.codecs import Codec
+from kvpatch.eval.options import TASKS
 from kvpatch.eval.words import ADJECTIVES, NOUNS, WORDS
 
-TASKS = ("single", "multikey", "multivalue", "multiquestion", "chat")
 #: the assistant's reply to every turn of a ``chat`` sample
 ACKNOWLEDGEMENT = "Noted."
 
