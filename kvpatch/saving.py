@@ -202,8 +202,8 @@ def _encode_value(value, name: str):
 
 
 def decode_policy(data) -> policies.Policy | None:
-    """The policy :func:`encode_policy` described (only classes already imported, never a
-    module named by the file)."""
+    """The policy :func:`encode_policy` described (kvpatch's own classes and those already
+    imported, never a module named by the file)."""
     if data is None:
         return None
     known = {_class_name(cls): cls for cls in _policy_classes()}
@@ -222,7 +222,8 @@ def _decode_value(value):
 
 
 def _policy_classes():
-    pending, seen = [policies.Policy], set()
+    """kvpatch's policies (imported on first use) and every subclass imported so far."""
+    pending, seen = [policies.Policy, *policies.registry.policy_classes()], set()
     while pending:
         cls = pending.pop()
         if cls not in seen:

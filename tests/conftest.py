@@ -43,6 +43,12 @@ def unpatched_chat_reply(model, tokenizer, messages: list[dict], new_tokens: int
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--full",
+        action="store_true",
+        help="the complete suite: the slow tier too (real-model runs, where the demo model is "
+        "cached, and the longest subprocess tests); what CI runs",
+    )
+    parser.addoption(
         "--device",
         default="cpu",
         help="torch's default device for the tests (models, prompts, random tensors), e.g. cuda",
@@ -50,6 +56,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if config.getoption("--full"):
+        config.option.markexpr = ""  # setup.cfg's addopts deselect the slow tier
     device = config.getoption("--device")
     try:
         torch.empty(0, device=device)

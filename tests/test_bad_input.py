@@ -353,6 +353,7 @@ class _Stamp(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
+@pytest.mark.slow
 def test_ten_thousand_decode_steps_hold_constant_memory():
     """With a decode budget, the bytes held (spare capacity and bookkeeping included) stop
     growing once the budget is reached."""

@@ -19,6 +19,7 @@ def turn(index: int) -> torch.Tensor:
     return prompt(6 + index % 5, seed=index)  # turns of 6 to 10 tokens
 
 
+@pytest.mark.slow
 def test_a_thousand_turns_hold_constant_bytes_with_the_newest_turn_whole():
     model = make_model("llama")
     held_bytes = []

@@ -175,6 +175,7 @@ def test_generate_prefills_in_chunks():
         assert torch.equal(held, expected_held + 1)
 
 
+@pytest.mark.slow
 def test_long_context_benchmark_runs(tmp_path):
     """``benchmarks/bench_long_context.py`` on a short context: chunks hold less KV at most."""
     import json

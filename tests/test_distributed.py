@@ -63,6 +63,7 @@ def run_ranks(checkpoint, policy, ids, out: Path, ranks=2) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv:0.5", "think:0.5+knorm:0.5"])
 def test_tensor_parallel_equals_one_process(checkpoint, policy, tmp_path):
     """Two ranks, one KV head each: a policy that decides each KV head alone gives the tokens and
@@ -79,6 +80,7 @@ def test_tensor_parallel_equals_one_process(checkpoint, policy, tmp_path):
         assert result["held"] == [n[0, rank : rank + 1].tolist() for n in cache.physical_lengths()]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_head_wise_budgets_are_per_rank(checkpoint, tmp_path):
     """``ada-`` shares each layer's budget among the KV heads a rank holds (as TOVA averages its
     scores over them): one head per rank keeps exactly the uniform budget."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import transformers
 
 ROOT = Path(__file__).parent.parent
@@ -66,6 +67,7 @@ def stand_in_checkout(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_runner_reports_what_only_kvpatch_breaks(tmp_path):
     source = stand_in_checkout(tmp_path / "transformers")
     summary = tmp_path / "summary.json"

