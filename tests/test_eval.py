@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
-import shlex
 import random
+import shlex
 
 import pytest
 
