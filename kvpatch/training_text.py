@@ -59,7 +59,8 @@ def sample_texts(
     finally:
         tokenizer.padding_side = side
     device = next(model.parameters()).device
-    encoded = {k: v.to(device) for k, v in encoded.items()}
+    # what a causal LM reads: a tokenizer's token_type_ids would be refused by generate
+    encoded = {k: encoded[k].to(device) for k in ("input_ids", "attention_mask")}
     from transformers import StoppingCriteriaList
 
     progress(f"writing {count} training texts of up to {tokens} tokens (sampled, seed {seed})")

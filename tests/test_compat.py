@@ -293,3 +293,45 @@ def test_cache_of_a_generate_output():
     cache = compat.cache_of(out)
     assert cache is getattr(out, compat.cache_argument(model))
     assert cache.get_seq_length() == 20 + 2
+
+
+@pytest.mark.parametrize(
+    "model_type, rope_parameters, bases",
+    [
+        ("llama", {"rope_theta": 12345.0, "rope_type": "default"}, {"full": 12345.0}),
+        (
+            "gemma3_text",
+            {
+                "full_attention": {"rope_theta": 54321.0, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 777.0, "rope_type": "default"},
+            },
+            {"full": 54321.0, "sliding": 777.0},
+        ),
+    ],
+)
+def test_a_config_written_by_transformers_5_gives_its_rope_bases_on_every_line(
+    tmp_path, model_type, rope_parameters, bases
+):
+    """RoPE's settings as transformers 5 writes them (``rope_parameters`` alone), read through
+    :func:`compat.read_rope_parameters`: the rotary frequencies are those of the bases written,
+    not a release's defaults (on 4.x they were silently 10,000 / 1,000,000)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128}
+    fields |= {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    fields |= {"head_dim": 32, "vocab_size": 64, "rope_parameters": rope_parameters}
+    if model_type == "gemma3_text":
+        fields |= {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = AutoConfig.from_pretrained(tmp_path)
+    compat.read_rope_parameters(config)
+    model = AutoModelForCausalLM.from_config(config)
+    found = set()  # each rotary table's second frequency, base ** (-2 / head_dim)
+    for module in model.modules():
+        for attribute in ("inv_freq", "full_attention_inv_freq", "sliding_attention_inv_freq"):
+            value = getattr(module, attribute, None)
+            if isinstance(value, torch.Tensor):
+                found.add(round(float(value[1]), 6))
+    assert found == {round(base ** (-2 / 32), 6) for base in bases.values()}

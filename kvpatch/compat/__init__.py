@@ -262,3 +262,24 @@ def tensor_parallel_kwargs(world_size: int) -> dict:
     if "tp_size" not in inspect.signature(DistributedConfig).parameters:
         return {"tp_plan": "auto"}
     return {"distributed_config": DistributedConfig(tp_size=world_size)}
+
+
+_CONFIGS_KEEP_ROPE_PARAMETERS = Version("5") <= TRANSFORMERS_VERSION
+
+
+def read_rope_parameters(config) -> None:
+    """A ``config.json`` written by transformers 5 keeps RoPE's settings in ``rope_parameters``
+    alone; 4.x reads ``rope_theta`` (Gemma 3: and ``rope_local_base_freq``) and ``rope_scaling``
+    and would silently use its defaults: set them from it (nothing to do on 5.x)."""
+    params = getattr(config, "rope_parameters", None)
+    if _CONFIGS_KEEP_ROPE_PARAMETERS or not isinstance(params, dict):
+        return
+    full = params.get("full_attention", params)  # Gemma 3 nests them by layer type
+    if "rope_theta" in full:
+        config.rope_theta = full["rope_theta"]
+    sliding = params.get("sliding_attention")
+    if isinstance(sliding, dict) and "rope_theta" in sliding:
+        config.rope_local_base_freq = sliding["rope_theta"]
+    scaling = {key: value for key, value in full.items() if key != "rope_theta"}
+    if scaling.get("rope_type", "default") != "default":
+        config.rope_scaling = scaling
