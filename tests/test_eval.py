@@ -21,6 +21,7 @@ from kvpatch.eval import (
     with_ratio,
 )
 from kvpatch.eval.cli import main
+from kvpatch.eval.scoring import wilson_interval
 
 
 def test_tasks_hide_their_answers_where_they_say():
@@ -99,6 +100,10 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     ]  # fmt: skip
     for row in rows:
         assert 0.0 <= float(row["accuracy"]) <= 1.0 and float(row["prefill_s"]) > 0
+        share, n = float(row["accuracy"]), int(row["samples"])
+        low, high = wilson_interval(share, n)
+        assert (float(row["accuracy_low"]), float(row["accuracy_high"])) == (low, high)
+        assert f"| {share:.2f} [{low:.2f}, {high:.2f}] |" in printed
     full, snap = float(rows[0]["kv_mb"]), float(rows[1]["kv_mb"])
     assert snap < 0.6 * full
     result = json.loads((output / "results.json").read_text())
@@ -275,3 +280,18 @@ def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
     (tmp_path / "records.jsonl").write_text("not json\n")
     assert main([*args, "--resume"]) == 2
     assert "not an evaluation journal" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "successes, samples, interval",
+    [  # textbook values of the 95% Wilson score interval
+        (10, 20, (0.2993, 0.7007)),
+        (0, 20, (0.0, 0.1611)),
+        (20, 20, (0.8389, 1.0)),
+        (18, 20, (0.6990, 0.9721)),
+        (1, 10, (0.0179, 0.4042)),
+    ],
+)
+def test_the_wilson_interval(successes, samples, interval):
+    low, high = wilson_interval(successes / samples, samples)
+    assert (round(low, 4), round(high, 4)) == interval

@@ -13,7 +13,7 @@ COLUMNS = (
     ("mode", "question", "{}"),
     ("policy", "policy", "{}"),
     ("ratio", "ratio", "{:g}"),
-    ("accuracy", "accuracy", "{:.2f}"),
+    ("accuracy", "accuracy (95% interval)", "{:.2f}"),
     ("kv_mb", "KV MB", "{:.2f}"),
     ("kv_saved", "saved", "{:.0%}"),
     ("prefill_s", "prefill s", "{:.2f}"),
@@ -31,6 +31,8 @@ def format_table(summary: list[dict]) -> str:
         for key, _, fmt in COLUMNS:
             value = row[key]
             cells.append("—" if value is None else fmt.format(value))
+            if key == "accuracy" and "accuracy_low" in row:
+                cells[-1] += f" {_interval(row)}"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -43,18 +45,28 @@ def format_accuracy_grid(summary: list[dict]) -> str:
     for task, mode in keys:
         rows = [r for r in summary if (r["task"], r["mode"]) == (task, mode)]
         title = "question in prefill" if mode == "prefill" else "question-agnostic"
-        lines = [f"**{task}, {title}** (accuracy)", ""]
+        lines = [f"**{task}, {title}** (accuracy, its 95% interval in brackets)", ""]
         lines.append("| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |")
         lines.append("|---|" + "---|" * len(ratios))
         for policy in dict.fromkeys(r["policy"] for r in rows):
-            by_ratio = {r["ratio"]: r["accuracy"] for r in rows if r["policy"] == policy}
+            by_ratio = {r["ratio"]: _accuracy(r) for r in rows if r["policy"] == policy}
             if policy == FULL:
-                cells = [f"{by_ratio[0.0]:.2f}"] * len(ratios)
+                cells = [by_ratio[0.0]] * len(ratios)
             else:
-                cells = [f"{by_ratio[x]:.2f}" if x in by_ratio else "" for x in ratios]
+                cells = [by_ratio.get(x, "") for x in ratios]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _interval(row: dict) -> str:
+    return f"[{row['accuracy_low']:.2f}, {row['accuracy_high']:.2f}]"
+
+
+def _accuracy(row: dict) -> str:
+    """``0.75 [0.53, 0.89]``: the accuracy and, where the row has it, its 95% interval."""
+    text = f"{row['accuracy']:.2f}"
+    return f"{text} {_interval(row)}" if "accuracy_low" in row else text
 
 
 def format_needle_tokens(summary: list[dict]) -> str:

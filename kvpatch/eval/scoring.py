@@ -7,6 +7,31 @@ from collections import defaultdict
 
 from kvpatch.eval.config import FULL
 
+#: the normal quantile of a two-sided 95% interval
+Z_95 = 1.959963984540054
+
+
+def wilson_interval(share: float, samples: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``share`` of ``samples`` (95% by default):
+    unlike share ± z·se it stays inside [0, 1] and is not empty at 0 or 1. A sample's score
+    may be a fraction (several values to find): the interval then treats the mean score as a
+    proportion of ``samples``, which is what it is for 0/1 scores."""
+    if samples <= 0:
+        return (math.nan, math.nan)
+    center = (share + z * z / (2 * samples)) / (1 + z * z / samples)
+    half = (
+        z
+        / (1 + z * z / samples)
+        * math.sqrt(share * (1 - share) / samples + z * z / (4 * samples * samples))
+    )
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def with_intervals(row: dict) -> dict:
+    """``row`` with the 95% interval of its accuracy (``accuracy_low``, ``accuracy_high``)."""
+    low, high = wilson_interval(row["accuracy"], row["samples"])
+    return {**row, "accuracy_low": low, "accuracy_high": high}
+
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, mode, policy, ratio), in the order first seen."""
@@ -25,23 +50,27 @@ def summarize(records: list[dict]) -> list[dict]:
         survival = [s for r in rows if r["needle_survival"] for s in r["needle_survival"]]
         whole = [min(r["needle_survival"]) for r in rows if r["needle_survival"]]
         summary.append(
-            {
-                "task": task,
-                "mode": mode,
-                "policy": policy,
-                "ratio": ratio,
-                "samples": len(rows),
-                "accuracy": _mean(r["score"] for r in rows),
-                "kv_mb": kv / 2**20,
-                "kv_saved": 1 - kv / full_kv[(task, mode)] if (task, mode) in full_kv else None,
-                "prefill_s": _mean(r["prefill_s"] for r in rows),
-                "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s if decode_s else 0,
-                "needle_kept": _mean(survival) if survival else None,
-                "needle_min_kept": _mean(whole) if whole else None,
-                "needle_kept_by_token": _mean_by_index(
-                    r["needle_survival"] for r in rows if r["needle_survival"]
-                ),
-            }
+            with_intervals(
+                {
+                    "task": task,
+                    "mode": mode,
+                    "policy": policy,
+                    "ratio": ratio,
+                    "samples": len(rows),
+                    "accuracy": _mean(r["score"] for r in rows),
+                    "kv_mb": kv / 2**20,
+                    "kv_saved": 1 - kv / full_kv[(task, mode)] if (task, mode) in full_kv else None,
+                    "prefill_s": _mean(r["prefill_s"] for r in rows),
+                    "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s
+                    if decode_s
+                    else 0,
+                    "needle_kept": _mean(survival) if survival else None,
+                    "needle_min_kept": _mean(whole) if whole else None,
+                    "needle_kept_by_token": _mean_by_index(
+                        r["needle_survival"] for r in rows if r["needle_survival"]
+                    ),
+                }
+            )
         )
     return summary
 
