@@ -14,7 +14,8 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
-from kvpatch import CompressedDynamicCache, compat, parse_policy, replay_attention
+from kvpatch import CompressedDynamicCache, compat, parse_policy
+from kvpatch.attention import replay as replay_attention
 from kvpatch.feed import prefill_into
 from kvpatch.patching import tokenizer_of
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs

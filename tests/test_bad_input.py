@@ -375,14 +375,14 @@ def test_a_thousand_enable_disable_cycles_leak_nothing():
     kvpatch.enable(model, "snapkv")
     kvpatch.disable(model)
     gc.collect()
-    objects, bindings = len(gc.get_objects()), len(attention._module_policies)
+    objects, bindings = len(gc.get_objects()), len(attention.modules._policies)
     generate = type(model).generate
     for _ in range(1000):
         kvpatch.enable(model, "think+ada-snapkv")
         kvpatch.disable(model)
     gc.collect()
     assert len(gc.get_objects()) <= objects + 10  # a few interpreter caches, not 1000 of anything
-    assert len(attention._module_policies) == bindings
+    assert len(attention.modules._policies) == bindings
     assert compat.attention_implementation(model) == "sdpa"
     assert "generate" not in vars(model) and type(model).generate is generate
 

@@ -141,11 +141,11 @@ def test_flash_attention_question_agnostic_matches_oracle(flash, policy):
 def test_flash_explicit_mask_fallback_matches_oracle(flash, monkeypatch):
     """Where no fake key can be guaranteed, flash (which takes no per-head mask) falls back to
     exact attention with the padding slots masked."""
-    import kvpatch.attention as attention
+    from kvpatch.attention import padded
 
-    real = attention.fake_keys
+    real = padded.fake_keys
     monkeypatch.setattr(
-        attention, "fake_keys", lambda *a, **k: (real(*a, **k)[0], torch.zeros(1, dtype=bool))
+        padded, "fake_keys", lambda *a, **k: (real(*a, **k)[0], torch.zeros(1, dtype=bool))
     )
     model = flash.model()
     ids = ids_on(flash, prompt(300))

@@ -11,7 +11,8 @@ from test_packed_attention import attend_calls  # noqa: F401  (a fixture)
 from transformers import DynamicCache
 
 import kvpatch
-from kvpatch import compat, packed_attention
+from kvpatch import compat
+from kvpatch.attention import packed as packed_attention
 from kvpatch.cache.buffer import CHUNK
 from kvpatch.cache.shared_context import SharedContextStore, share_context
 

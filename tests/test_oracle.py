@@ -8,7 +8,8 @@ from conftest import make_model, prompt
 from oracle import evictions_of, greedy_logits, oracle_logits
 
 import kvpatch
-from kvpatch import CompressedDynamicCache, packed_attention
+from kvpatch import CompressedDynamicCache
+from kvpatch.attention import packed as packed_attention
 from kvpatch.testing import tiny_model
 
 ORACLE_POLICIES = [
@@ -66,15 +67,15 @@ def test_compression_changes_logits():
 @pytest.mark.parametrize("policy", ["ada-snapkv:0.6", "think:0.5+ada-knorm:0.5"])
 def test_explicit_mask_fallback_matches_oracle(policy, monkeypatch):
     """When no fake key can be guaranteed the padding slots are masked, with the same result."""
-    import kvpatch.attention as attention
+    from kvpatch.attention import padded
 
-    real = attention.fake_keys
+    real = padded.fake_keys
 
     def failing(*args, **kwargs):
         keys, ok = real(*args, **kwargs)
         return keys, torch.zeros_like(ok)
 
-    monkeypatch.setattr(attention, "fake_keys", failing)
+    monkeypatch.setattr(padded, "fake_keys", failing)
     monkeypatch.setattr(packed_attention, "DEVICES", ())  # the padded view, with fake keys
     for attn in ("sdpa", "eager"):
         model = make_model("llama", attn)

@@ -10,7 +10,8 @@ from oracle import evictions_of, greedy_logits, oracle_logits
 from test_generation import generate, left_padded, run_oracle_generate
 
 import kvpatch
-from kvpatch import CompressedDynamicCache, packed_attention
+from kvpatch import CompressedDynamicCache
+from kvpatch.attention import packed as packed_attention
 
 PACKED_POLICIES = [
     "ada-snapkv:0.6",  # variable-length heads

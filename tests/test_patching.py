@@ -10,7 +10,7 @@ from transformers import DynamicCache, T5Config, T5ForConditionalGeneration
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat
-from kvpatch.attention import _module_policies
+from kvpatch.attention.modules import _policies as _module_policies
 
 
 def fingerprint(model):

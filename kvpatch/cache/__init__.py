@@ -27,38 +27,40 @@ from kvpatch.cache.recompress import (
     token_policy_of,
 )
 from kvpatch.cache.replay_chunk import LocalColumns, ReplayChunk
-from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
-from kvpatch.cache.views import (
-    CompressedView,
-    PackedView,
-    PrefillView,
-    ReplayView,
-    View,
-    mark,
-    view_of,
+from kvpatch.cache.requests import (
+    AttentionRequest,
+    PackedRequest,
+    PaddedRequest,
+    PrefillRequest,
+    ReplayRequest,
+    peek,
+    post,
+    take,
 )
+from kvpatch.cache.stats import CacheStats, LayerStats, cache_nbytes
 
 __all__ = [
     "RECENT_QUERIES",
+    "AttentionRequest",
     "CacheStats",
     "CompressedDynamicCache",
     "CompressedLayer",
-    "CompressedView",
     "DecodeBudget",
     "LayerStats",
     "LocalColumns",
-    "PackedView",
-    "PrefillView",
+    "PackedRequest",
+    "PaddedRequest",
+    "PrefillRequest",
     "Quantization",
     "ReplayChunk",
-    "ReplayView",
-    "View",
+    "ReplayRequest",
     "bounded_history_policy",
     "cache_nbytes",
     "check_chunk_size",
     "check_max_kv_tokens",
-    "mark",
+    "peek",
+    "post",
+    "take",
     "token_part",
     "token_policy_of",
-    "view_of",
 ]

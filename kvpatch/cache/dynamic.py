@@ -17,8 +17,8 @@ from kvpatch.cache.recompress import (
     check_decode_budget,
     check_max_kv_tokens,
 )
+from kvpatch.cache.requests import PrefillRequest, peek
 from kvpatch.cache.stats import CacheStats, layer_stats
-from kvpatch.cache.views import PrefillView, view_of
 from kvpatch.policies import Policy, parse_policy, replay_needed
 
 
@@ -114,11 +114,11 @@ class CompressedDynamicCache(DynamicCache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] > 1 and not isinstance(self.layers[layer_idx], CompressedLayer):
             _keep_own_storage(self.layers[layer_idx])  # a prefill or chunk: not each decode step
-        view = view_of(keys)
-        if isinstance(view, PrefillView):
-            view.policy, view.decode_budget = self.policy, self.decode_budget
-            view.sink_tokens, view.prompt_tokens = self.sink_tokens, self.prompt_tokens
-            view.keep_tokens = self.max_kv_tokens
+        request = peek(keys)
+        if isinstance(request, PrefillRequest):  # what the cache adds to its layer's request
+            request.policy, request.decode_budget = self.policy, self.decode_budget
+            request.sink_tokens, request.prompt_tokens = self.sink_tokens, self.prompt_tokens
+            request.keep_tokens = self.max_kv_tokens
         return keys, values
 
     @property

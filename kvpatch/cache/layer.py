@@ -1,9 +1,10 @@
 """One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`.
 
-Its prefill is stored densely and returned marked ``PrefillView``; kvpatch's attention attends
-over it exactly, then calls :meth:`CompressedLayer.compress` (or ``defer``, for a policy that
-plans every layer at once). The layer is then a ``CompressedStore``, and ``update`` returns a
-transient dense view of it marked ``CompressedView``.
+Its prefill is stored densely and returned with a ``PrefillRequest``
+(:mod:`kvpatch.cache.requests`); kvpatch's attention attends over it exactly, then calls
+:meth:`CompressedLayer.compress` (or ``defer``, for a policy that plans every layer at once). The
+layer is then a ``CompressedStore``, and ``update`` returns its tail with a ``PackedRequest`` (the
+packed tokens read in place) or a transient padded view of it with a ``PaddedRequest``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
 from kvpatch.cache.replay_chunk import Reconstructed, ReplayChunk
+from kvpatch.cache.requests import PrefillRequest, post
 from kvpatch.cache.store import CompressedStore
-from kvpatch.cache.views import PrefillView, mark
 from kvpatch.policies import KVzap, LayerInputs, Plan, Policy
 
 
@@ -85,7 +86,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         self.values = torch.cat([self.values, value_states], dim=-2)
         if first_forward and not self.passthrough:
             self.awaiting_compression = True
-            return mark(self.keys, PrefillView(self)), self.values
+            return post(self.keys, PrefillRequest(self)), self.values
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpatch.cache.views import ReplayView, mark
+from kvpatch.cache.requests import ReplayRequest, post
 
 if TYPE_CHECKING:
     from kvpatch.cache.layer import CompressedLayer
@@ -105,14 +105,14 @@ class ReplayChunk:
         values: torch.Tensor,
         scored_from: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``layer`` holds, then the chunk's ``keys``/``values`` (not stored), marked
-        :class:`~kvpatch.cache.views.ReplayView`. ``held_valid`` None: the held tokens are a
+        """What ``layer`` holds, then the chunk's ``keys``/``values`` (not stored), posted with a
+        :class:`~kvpatch.cache.requests.ReplayRequest`. ``held_valid`` None: the held tokens are a
         waiting prefill, :attr:`prefill_valid`."""
         if held_valid is None:
             held_valid = self.prefill_held_valid
-        view = ReplayView(layer, self, held_valid, scored_from)
+        request = ReplayRequest(layer, self, held_valid, scored_from)
         keys = torch.cat([held_keys, keys], dim=-2)
-        return mark(keys, view), torch.cat([held_values, values], dim=-2)
+        return post(keys, request), torch.cat([held_values, values], dim=-2)
 
 
 def _chunk_visibility(query_valid: torch.Tensor) -> torch.Tensor:

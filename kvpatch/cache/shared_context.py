@@ -3,7 +3,7 @@
 :func:`share_context` turns the cache of a context of one batch row into a cache for ``rows``
 rows that continue it. Each compressed layer's store (packed tokens and tail) stays where it is,
 shared and never written; every row appends its own tokens (a question, then its answer) to a
-tail of its own. :mod:`kvpatch.packed_attention` reads each KV head's context part once per step
+tail of its own. :mod:`kvpatch.attention.packed` reads each KV head's context part once per step
 for all the rows' queries; the padded view other backends read is a per-row copy.
 """
 
@@ -18,8 +18,8 @@ import torch
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
+from kvpatch.cache.requests import PackedRequest, PaddedRequest, post
 from kvpatch.cache.store import CompressedStore
-from kvpatch.cache.views import CompressedView, PackedView, mark
 
 if TYPE_CHECKING:
     from kvpatch.cache.dynamic import CompressedDynamicCache
@@ -141,10 +141,10 @@ class SharedContextStore:
         return self.keys.view(), self.values.view()
 
     def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' tails, marked :class:`~kvpatch.cache.views.PackedView`: the attention
-        function reads the context in place, or asks for :meth:`padded_view`."""
+        """The rows' tails, posted with a :class:`~kvpatch.cache.requests.PackedRequest`: the
+        attention function reads the context in place, or asks for :meth:`padded_view`."""
         keys, values = self.tail()
-        return mark(keys, PackedView(layer, self)), values
+        return post(keys, PackedRequest(layer, self)), values
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The context's padded view repeated for every row, then each row's tail: a copy."""
@@ -157,8 +157,8 @@ class SharedContextStore:
         )
 
     def padded_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`dense` (a per-row copy of the context, for the stock kernels), marked as a
-        compressed layer's padded view is."""
+        """:meth:`dense` (a per-row copy of the context, for the stock kernels), posted with the
+        :class:`~kvpatch.cache.requests.PaddedRequest` a compressed layer's padded view has."""
         keys, values = self.dense()
         packed = self.packed
         lengths = packed.lengths.expand(self.rows, -1)
@@ -166,7 +166,7 @@ class SharedContextStore:
         if not packed.is_uniform:
             slots = torch.arange(packed.max_length, device=lengths.device)
             padding = (slots >= lengths[..., None]).nonzero(as_tuple=True)
-        view = CompressedView(
+        request = PaddedRequest(
             layer=layer,
             lengths=lengths,
             packed_length=packed.max_length,
@@ -174,7 +174,7 @@ class SharedContextStore:
             key_norm_bound=self.key_norm_bound,
             padding_slots=padding,
         )
-        return mark(keys, view), values
+        return post(keys, request), values
 
     @property
     def key_norm_bound(self) -> torch.Tensor:

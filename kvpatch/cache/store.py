@@ -17,7 +17,7 @@ import torch
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
-from kvpatch.cache.views import CompressedView, PackedView, mark
+from kvpatch.cache.requests import PackedRequest, PaddedRequest, post
 from kvpatch.policies import Plan
 
 if TYPE_CHECKING:
@@ -235,20 +235,19 @@ class CompressedStore:
 
     def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """What a layer's ``update`` returns: the padded view when it costs no copy (every token
-        stored dense), else the tail marked :class:`~kvpatch.cache.views.PackedView`, from which
-        the attention function reads the packed tokens in place or asks for
-        :meth:`padded_view`."""
+        stored dense), else the tail posted with a :class:`~kvpatch.cache.requests.PackedRequest`:
+        the attention function reads the packed tokens in place or asks for :meth:`padded_view`."""
         if self.packed.keys is None:
             return self.padded_view(layer)
         keys, values = self.tail()
-        return mark(keys, PackedView(layer, self)), values
+        return post(keys, PackedRequest(layer, self)), values
 
     def padded_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`dense`, marked with the :class:`~kvpatch.cache.views.CompressedView` that the
+        """:meth:`dense`, posted with the :class:`~kvpatch.cache.requests.PaddedRequest` that the
         attention function reads."""
         keys, values = self.dense()
         packed = self.packed
-        view = CompressedView(
+        request = PaddedRequest(
             layer=layer,
             lengths=packed.lengths,
             packed_length=packed.max_length,
@@ -256,7 +255,7 @@ class CompressedStore:
             key_norm_bound=self.key_norm_bound,
             padding_slots=None if packed.is_uniform else packed.padding_slots,
         )
-        return mark(keys, view), values
+        return post(keys, request), values
 
     def slot_valid(self) -> torch.Tensor:
         """Bool ``[batch, kv_heads, slots]``: which slots of :meth:`dense` are real tokens."""

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kvpatch.cache import ReplayView
+from kvpatch.cache import ReplayRequest
 
 #: fp32 weights :func:`score_locally` computes at a time (8 MiB)
 LOCAL_SCORE_ELEMENTS = 1 << 21
@@ -27,7 +27,7 @@ ATTEND_ELEMENTS = 1 << 20
 
 
 def attend(
-    module, query, key, value, view: ReplayView, scaling: float, softcap: float | None
+    module, query, key, value, request: ReplayRequest, scaling: float, softcap: float | None
 ) -> tuple[torch.Tensor, None]:
     """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
     fp32, normalised over all of it; records the scores and returns the output. A few queries
@@ -36,13 +36,13 @@ def attend(
     batch, kv_heads, total, dim = key.shape
     q_heads, q_len = query.shape[1], query.shape[2]
     group, held = q_heads // kv_heads, total - q_len
-    chunk, first_scored = view.chunk, view.scored_from
+    chunk, first_scored = request.chunk, request.scored_from
     queries = (query.float() * scaling).view(batch, kv_heads, group, q_len, dim)
     keys, values = key.float().transpose(-1, -2), value.float()
     if chunk.hidden_norms is not None:  # KVzip+: ||W_o[g] v|| over the queries' ||h||
         value_norms = output_norms(module, values[:, :, first_scored:held], group)[..., None, :]
         hidden = chunk.hidden_norms[module.layer_idx].clamp(min=1e-6)[:, None, None, :, None]
-    held_visible = view.held_valid[:, :, None, :]  # [b, 1 or kv_heads, 1, held]
+    held_visible = request.held_valid[:, :, None, :]  # [b, 1 or kv_heads, 1, held]
     output = values.new_empty(batch, kv_heads, group, q_len, values.shape[-1])
     best = None
     rows = max(1, ATTEND_ELEMENTS // (batch * kv_heads * group * total))
@@ -71,20 +71,20 @@ def attend(
         block_best = scored.amax(dim=(2, 3))
         best = block_best if best is None else best.maximum(block_best)
         output[:, :, :, first:last] = weights @ values[:, :, None]
-    view.layer.record_replay_attention(best)
+    request.layer.record_replay_attention(best)
     output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
     return output.to(query.dtype), None
 
 
 def score_locally(
-    module, query, key, value, view: ReplayView, scaling: float, softcap: float | None
+    module, query, key, value, request: ReplayRequest, scaling: float, softcap: float | None
 ) -> None:
     """Record the scores of a waiting prefill as KVzip's authors compute them: each query's
     softmax over the chunk's :class:`~kvpatch.cache.LocalColumns` and the chunk's own keys, max
     over the GQA group and the chunk's real queries (0 for tokens outside the chunk).
     ``key``/``value`` are the held prefill then the chunk. At most
     :data:`LOCAL_SCORE_ELEMENTS` fp32 weights exist at once."""
-    chunk = view.chunk
+    chunk = request.chunk
     batch, kv_heads, total, dim = key.shape
     q_len = query.shape[2]
     group, held = query.shape[1] // kv_heads, total - q_len
@@ -116,7 +116,7 @@ def score_locally(
         best = best.maximum(weights.amax(dim=(2, 3)))
     full = best.new_zeros(batch, kv_heads, held)
     spread = index[:, None, :].expand(-1, kv_heads, -1)
-    view.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
+    request.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
 
 
 def _workspace(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
