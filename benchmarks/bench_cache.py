@@ -97,10 +97,15 @@ def timed_generate(
     cache = make_cache()
     with torch.inference_mode(), around() if around else contextlib.nullcontext():
         model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode_tokens + 1,
-            min_new_tokens=decode_tokens + 1, do_sample=False, pad_token_id=0,
-            stopping_criteria=[clock], **{cache_argument: cache},
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=decode_tokens + 1,
+            min_new_tokens=decode_tokens + 1,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=[clock],
+            **{cache_argument: cache},
+        )
     return cache_nbytes(cache)
 
 

@@ -39,9 +39,12 @@ def build_model():
     from bench_cache import build_model as bench_model
 
     return bench_model(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
         max_position_embeddings=65536,
-    )  # fmt: skip
+    )
 
 
 def kv_bytes_per_token(config) -> int:

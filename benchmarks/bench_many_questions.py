@@ -84,9 +84,11 @@ def run(model_name: str, length: int, args, shared: SharedCaches) -> None:
     model = load(model_name)
     vocab = model.config.vocab_size
     options = dict(
-        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     with kvpatch.enabled(model, args.policy), torch.inference_mode():
         context = kvpatch.prefill(model, random_ids(1, length, vocab, seed=1)[0][None])
         times: dict[tuple[int, str], list[float]] = {}

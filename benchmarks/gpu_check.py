@@ -7,7 +7,7 @@ A Llama-3-8B-shaped random model with fewer layers (bf16; 32 query heads sharing
   kept tokens), and each policy, their ``generate`` steps interleaved and timed where they happen
   (:func:`kvpatch.bench.take_turns`), medians of ``--rounds`` rounds. Each policy runs twice:
   through the padded view the stock kernel reads (``padded``), and reading packed storage
-  directly (``packed``, :mod:`kvpatch.packed_attention`, which kvpatch otherwise uses on the CPU
+  directly (``packed``, :mod:`kvpatch.attention.packed`, which kvpatch otherwise uses on the CPU
   only);
 - memory: for each configuration alone, the cache's bytes, the memory still allocated after a
   short ``generate`` (the cache and nothing else of it) and the peak during it;
@@ -42,9 +42,14 @@ SECTIONS = ("kernels", "decode", "memory", "prefill")
 PREFILLS = ("global-kvzip:{r}/normalise=chunk", "global-kvzip:{r}/normalise=context")
 #: Llama-3-8B's attention and MLP shapes
 SHAPE = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-)  # fmt: skip
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+)
 DRY_SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128)
 
 
@@ -53,10 +58,16 @@ def build_model(args) -> torch.nn.Module:
 
     shape = DRY_SHAPE if args.dry_run else SHAPE
     return tiny_model(
-        "llama", "sdpa", dtype=args.dtype, device=args.device, key_scale=4.0,
-        num_hidden_layers=args.layers, max_position_embeddings=max(args.contexts) + 1024,
-        pad_token_id=None, **shape,
-    )  # fmt: skip
+        "llama",
+        "sdpa",
+        dtype=args.dtype,
+        device=args.device,
+        key_scale=4.0,
+        num_hidden_layers=args.layers,
+        max_position_embeddings=max(args.contexts) + 1024,
+        pad_token_id=None,
+        **shape,
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -72,7 +83,7 @@ GROUPS = (("padded", "default"), ("packed", "default"), ("padded", "no-cudnn"))
 def decode_setting(device: torch.device, reading: str, kernels: str):
     """Decode steps on ``device`` read packed storage directly (``packed``) or the padded view
     through the stock kernel (``padded``); ``no-cudnn`` keeps sdpa off its cuDNN kernel."""
-    from kvpatch import packed_attention
+    from kvpatch.attention import packed as packed_attention
 
     saved, cudnn = packed_attention.DEVICES, torch.backends.cuda.cudnn_sdp_enabled()
     others = tuple(d for d in saved if d != device.type)
@@ -171,9 +182,14 @@ def memory(model, context: int, args) -> list[dict]:
             before = torch.cuda.memory_allocated(device) if cuda else 0
             with torch.inference_mode():
                 model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                    do_sample=False, pad_token_id=0, **{compat.cache_argument(model): cache},
-                )  # fmt: skip
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=2,
+                    min_new_tokens=2,
+                    do_sample=False,
+                    pad_token_id=0,
+                    **{compat.cache_argument(model): cache},
+                )
             record = {"policy": label, "context": context, "kv_bytes": cache_nbytes(cache)}
             if cuda:
                 synchronize(device)
@@ -197,9 +213,14 @@ def prefill_cost(model, context: int, args) -> list[dict]:
         for policy in [FULL, *policies]:
             seconds, peak = timed_prefill(model, ids, policy)
             records.append(
-                {"policy": policy, "context": context, "round": round_, "prefill_s": seconds,
-                 "peak_bytes": peak}
-            )  # fmt: skip
+                {
+                    "policy": policy,
+                    "context": context,
+                    "round": round_,
+                    "prefill_s": seconds,
+                    "peak_bytes": peak,
+                }
+            )
     return records
 
 

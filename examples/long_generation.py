@@ -51,12 +51,17 @@ def main() -> None:
     show = ShowBytes(cache, args.interval, ids.shape[1])
     with kvpatch.enabled(model, args.policy):
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
-            min_new_tokens=args.tokens, do_sample=True, top_p=0.9,
-            pad_token_id=tokenizer.pad_token_id, stopping_criteria=[show],
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.tokens,
+            min_new_tokens=args.tokens,
+            do_sample=True,
+            top_p=0.9,
+            pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=[show],
             streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
             **{kvpatch.compat.cache_argument(model): cache},
-        )  # fmt: skip
+        )
     lengths = [n for n in cache.physical_lengths() if n is not None]  # None: a sliding layer
     held = max(int(n.float().mean(-1).max()) for n in lengths)
     print(f"\n{out.shape[1] - ids.shape[1]} tokens generated; {cache.get_seq_length()} seen,")

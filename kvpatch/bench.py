@@ -121,11 +121,15 @@ def decode_into(model, ids: torch.Tensor, policy: str, tokens: int, clock: TurnC
     else:
         cache = kvpatch.CompressedDynamicCache(config=model.config, policy=policy)
     model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-        do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([clock]),
         pad_token_id=model.generation_config.pad_token_id or 0,
         **{kvpatch.compat.cache_argument(model): cache},
-    )  # fmt: skip
+    )
     return kvpatch.cache_nbytes(cache)
 
 

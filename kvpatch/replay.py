@@ -158,9 +158,7 @@ def reconstruct(
             chunk = ReplayChunk(
                 query_valid=valid,
                 prefill_valid=mask,
-                local=LocalColumns.of_chunk(mask, starts, scorer.chunk_size, sinks)
-                if local
-                else None,
+                local=_local_columns(mask, starts, scorer.chunk_size, sinks, local),
                 hidden_norms=hidden_norms if scorer.weighted else None,
             )
             _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask)
@@ -170,6 +168,11 @@ def reconstruct(
     missing = [layer for layer in layers if layer.replay_attention is None]
     if missing:
         raise RuntimeError("the context reconstruction did not reach every compressed layer")
+
+
+def _local_columns(mask, starts, chunk_size: int, sinks: int, local: bool) -> LocalColumns | None:
+    """The columns a chunk's weights are normalised over, where scoring is local to it."""
+    return LocalColumns.of_chunk(mask, starts, chunk_size, sinks) if local else None
 
 
 def _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask) -> None:

@@ -28,9 +28,15 @@ FORMAT_VERSION = 1
 #: config entries that name where or how a model was loaded, or what a call returns, not what it
 #: computes (private entries, starting with "_", are left out too)
 _CONFIG_NOISE = {
-    "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "return_dict",
-    "output_attentions", "output_hidden_states",
-}  # fmt: skip
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
 
 
 def save(
@@ -157,8 +163,10 @@ def fingerprint(model: torch.nn.Module) -> dict:
     for name, parameter in model.named_parameters():
         weights.update(name.encode())
         weights.update(_as_bytes(parameter))
-    return {"config": json.loads(json.dumps(config, sort_keys=True, default=str)),
-            "weights": weights.hexdigest()}  # fmt: skip
+    return {
+        "config": json.loads(json.dumps(config, sort_keys=True, default=str)),
+        "weights": weights.hexdigest(),
+    }
 
 
 def checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:

@@ -25,9 +25,15 @@ FORMAT = "kvpatch-kvzap"
 FORMAT_VERSION = 1
 #: config entries that say how a model was loaded or what a call returns, not what it computes
 _CONFIG_NOISE = {
-    "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "return_dict",
-    "output_attentions", "output_hidden_states",
-}  # fmt: skip
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
 
 _identities: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 

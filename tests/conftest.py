@@ -35,9 +35,12 @@ def unpatched_chat_reply(model, tokenizer, messages: list[dict], new_tokens: int
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -99,8 +102,9 @@ def _kvzap_maps(request, tmp_path_factory, monkeypatch):
             layers, kv = config.num_hidden_layers, config.num_key_value_heads
             g = torch.Generator(device="cpu").manual_seed(0)
             weight = torch.randn(layers, config.hidden_size, kv, generator=g, device="cpu")
-            hidden_map = HiddenStateMap("linear", weight, torch.zeros(layers, kv, device="cpu"),
-                                        list(range(layers)))  # fmt: skip
+            hidden_map = HiddenStateMap(
+                "linear", weight, torch.zeros(layers, kv, device="cpu"), list(range(layers))
+            )
             scorer_maps.save_map(path, hidden_map, model, {"random": True})
         return path
 

@@ -53,9 +53,14 @@ def encode(text: str) -> list[int]:
 
 
 def reference_reconstruction(
-    model, ids: torch.Tensor, chunk: int, overlap: int = 8, normalise: str = "context",
-    sinks: int = 4, weighted: bool = False,
-):  # fmt: skip
+    model,
+    ids: torch.Tensor,
+    chunk: int,
+    overlap: int = 8,
+    normalise: str = "context",
+    sinks: int = 4,
+    weighted: bool = False,
+):
     """Per layer ``[kv_heads, n]``: the largest attention weight (eager, no cache, the whole
     sequence context + prompt + chunk in one forward) any reconstruction query of a KV head's
     group gives each context token, over every chunk.
@@ -278,9 +283,12 @@ def test_generate_reconstructs_the_prompt(policy):
     with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
         cache = CompressedDynamicCache(config=model.config)
         out = model.generate(
-            ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+            ids,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
             **{compat.cache_argument(model): cache},
-        )  # fmt: skip
+        )
         without_cache = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, without_cache)
     evictions = evictions_of(cache)
@@ -655,9 +663,12 @@ def test_generate_reconstructs_into_a_cache_built_without_config():
     with kvpatch.enabled(model, "kvzip:0.5", tokenizer=ByteTokenizer()):
         cache = CompressedDynamicCache()
         model.generate(
-            ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+            ids,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
             **{compat.cache_argument(model): cache},
-        )  # fmt: skip
+        )
     heads = model.config.num_key_value_heads
     # 119 prompt tokens compressed to 60 per head, then the last prompt token and 2 generated
     assert [int(n.sum()) for n in cache.physical_lengths()] == [heads * (60 + 3)] * 2

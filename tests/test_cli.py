@@ -50,11 +50,29 @@ def test_generate_continues_the_prompt_of_a_model_without_a_chat_template(tmp_pa
     tokenizer.save_pretrained(path)
     assert not AutoTokenizer.from_pretrained(path).chat_template
     prompt = "The key is under the"
-    assert cli.main(["generate", prompt, "--model", str(path), "--policy", "snapkv:0",
-                     "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "generate",
+                prompt,
+                "--model",
+                str(path),
+                "--policy",
+                "snapkv:0",
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert capsys.readouterr().out.rstrip("\n") == expected
 

@@ -114,9 +114,17 @@ def test_agnostic_mode_compresses_the_context_then_appends_the_question(monkeypa
 
 def test_run_eval_records_the_format_it_used(tmp_path):
     config = EvalConfig(
-        policies=["knorm"], ratios=[0.5], samples=1, context_tokens=120, digits=3,
-        model="tiny", output=str(tmp_path), plot=False, progress=False, modes=["agnostic"],
-    )  # fmt: skip
+        policies=["knorm"],
+        ratios=[0.5],
+        samples=1,
+        context_tokens=120,
+        digits=3,
+        model="tiny",
+        output=str(tmp_path),
+        plot=False,
+        progress=False,
+        modes=["agnostic"],
+    )
     result = run_eval(config)
     assert result["config"]["prompt_format"] == "completion"
     with pytest.raises(ValueError, match="tiny model has no chat template"):

@@ -274,7 +274,9 @@ def test_a_base_model_gets_its_bos_and_continues_the_question(cache_root, tmp_pa
     ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
     answer = ask(context=context, question=question, policy="snapkv:0", max_new_tokens=6)
     ids = tokenizer(context + "\n\n" + question, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
-                         do_sample=False)  # fmt: skip
-    assert answer["generated_text"] == tokenizer.decode(out[0, ids.shape[1] :],
-                                                        skip_special_tokens=True)  # fmt: skip
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False
+    )
+    assert answer["generated_text"] == tokenizer.decode(
+        out[0, ids.shape[1] :], skip_special_tokens=True
+    )

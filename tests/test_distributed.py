@@ -30,10 +30,15 @@ def greedy(model, ids, policy):
     with kvpatch.enabled(model, policy):
         cache = kvpatch.CompressedDynamicCache(config=model.config)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
             **{compat.cache_argument(model): cache},
-        )  # fmt: skip
+        )
     return out.sequences[0, ids.shape[1] :], torch.stack(out.logits)[:, 0], cache
 
 

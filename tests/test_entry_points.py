@@ -112,9 +112,12 @@ def test_text_generation_pipeline_compresses(loaded):
         out = generator(prompt_text, max_new_tokens=6, do_sample=False, return_full_text=False)
         ids = tokenizer(prompt_text, return_tensors="pt").input_ids
         direct = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
     hook.remove()
     assert caches and all(c is kvpatch.CompressedDynamicCache for c in caches)
     expected = tokenizer.decode(direct[0, ids.shape[1] :], skip_special_tokens=True)
@@ -126,9 +129,11 @@ def test_streamers_see_the_compressed_generation(loaded):
     model, tokenizer = loaded
     ids = tokenizer(CONTEXT, return_tensors="pt").input_ids
     options = dict(
-        attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     with kvpatch.enabled(model, "ada-snapkv:0.5"):
         printed = []
         streamer = TextStreamer(tokenizer, skip_prompt=True)

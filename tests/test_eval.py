@@ -85,10 +85,21 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     output = tmp_path / "out"
     code = main(
         [
-            "--model", "tiny", "--policies", "snapkv", "--ratios", "0.5", "--samples", "1",
-            "--context-tokens", "200", "--output", str(output), "--no-progress",
+            "--model",
+            "tiny",
+            "--policies",
+            "snapkv",
+            "--ratios",
+            "0.5",
+            "--samples",
+            "1",
+            "--context-tokens",
+            "200",
+            "--output",
+            str(output),
+            "--no-progress",
         ]
-    )  # fmt: skip
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "| single | prefill | full | 0 |" in printed
@@ -96,8 +107,11 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["mode"], r["policy"]) for r in rows] == [
-        ("prefill", "full"), ("prefill", "snapkv"), ("agnostic", "full"), ("agnostic", "snapkv"),
-    ]  # fmt: skip
+        ("prefill", "full"),
+        ("prefill", "snapkv"),
+        ("agnostic", "full"),
+        ("agnostic", "snapkv"),
+    ]
     for row in rows:
         assert 0.0 <= float(row["accuracy"]) <= 1.0 and float(row["prefill_s"]) > 0
         share, n = float(row["accuracy"]), int(row["samples"])
@@ -126,13 +140,23 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
 def test_shared_prefill_matches_separate_prefills(tmp_path):
     """One recorded prefill per sample gives every policy the cache its own prefill would."""
     common = dict(
-        model="tiny", ratios=[0.75], samples=1, context_tokens=160, digits=3, plot=False,
+        model="tiny",
+        ratios=[0.75],
+        samples=1,
+        context_tokens=160,
+        digits=3,
+        plot=False,
         policies=[
-            "snapkv", "think:0.5+ada-snapkv", "kvzip", "global-kvzip", "kvzip-plus",
+            "snapkv",
+            "think:0.5+ada-snapkv",
+            "kvzip",
+            "global-kvzip",
+            "kvzip-plus",
             "expected-attention",
         ],
-        tasks=["single", "multiquestion"], progress=False,
-    )  # fmt: skip
+        tasks=["single", "multiquestion"],
+        progress=False,
+    )
     shared = run_eval(EvalConfig(**common, output=str(tmp_path / "a")))
     separate = run_eval(EvalConfig(**common, shared_prefill=False, output=str(tmp_path / "b")))
     key = lambda r: (r["task"], r["mode"], r["spec"], r["sample"])
@@ -155,9 +179,17 @@ def test_shared_prefill_matches_separate_prefills(tmp_path):
 def test_needle_kept_by_token_averages_over_samples():
     def record(survival):
         return dict(
-            task="single", mode="prefill", policy="snapkv", ratio=0.5, score=1.0, kv_bytes=1,
-            prefill_s=0.1, decode_s=0.1, new_tokens=1, needle_survival=survival,
-        )  # fmt: skip
+            task="single",
+            mode="prefill",
+            policy="snapkv",
+            ratio=0.5,
+            score=1.0,
+            kv_bytes=1,
+            prefill_s=0.1,
+            decode_s=0.1,
+            new_tokens=1,
+            needle_survival=survival,
+        )
 
     (row,) = summarize([record([1.0, 0.5]), record([0.0, 0.5, 1.0]), record(None)])
     assert row["needle_kept_by_token"] == pytest.approx([0.5, 0.5, 1.0])
@@ -168,11 +200,19 @@ def test_needle_kept_by_token_averages_over_samples():
 def test_chat_history_is_compressed_turn_by_turn(tmp_path):
     result = run_eval(
         EvalConfig(
-            model="tiny", policies=["kvzip", "snapkv"], ratios=[0.5], tasks=["chat"], samples=1,
-            context_tokens=600, digits=3, modes=["agnostic"], plot=False, progress=False,
+            model="tiny",
+            policies=["kvzip", "snapkv"],
+            ratios=[0.5],
+            tasks=["chat"],
+            samples=1,
+            context_tokens=600,
+            digits=3,
+            modes=["agnostic"],
+            plot=False,
+            progress=False,
             output=str(tmp_path),
         )
-    )  # fmt: skip
+    )
     by_spec = {r["spec"]: r for r in result["records"]}
     full = by_spec["full"]["kv_bytes"]
     # every turn keeps half of itself: about half of the history (the question comes after)
@@ -185,9 +225,15 @@ def test_prefill_in_chunks(tmp_path):
     """``prefill_chunk`` prefills every compressed cache in chunks: at ratio 0 the answers are
     the one-shot ones; with eviction, the bytes are the one-shot policy's (the same budget)."""
     common = dict(
-        model="tiny", samples=1, context_tokens=300, digits=3, plot=False, progress=False,
-        policies=["snapkv", "think:0.5+ada-snapkv"], tasks=["single"],
-    )  # fmt: skip
+        model="tiny",
+        samples=1,
+        context_tokens=300,
+        digits=3,
+        plot=False,
+        progress=False,
+        policies=["snapkv", "think:0.5+ada-snapkv"],
+        tasks=["single"],
+    )
     one_shot = run_eval(EvalConfig(**common, ratios=[0.0, 0.5], output=str(tmp_path / "a")))
     config = EvalConfig(**common, ratios=[0.0, 0.5], prefill_chunk=64, output=str(tmp_path / "b"))
     assert not config.shared_prefill
@@ -229,9 +275,20 @@ def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
     from kvpatch.eval import journal
 
     args = [
-        "--model", "tiny", "--policies", "snapkv", "knorm", "--ratios", "0.5", "--samples", "2",
-        "--context-tokens", "200", "--no-progress", "--no-plot",
-    ]  # fmt: skip
+        "--model",
+        "tiny",
+        "--policies",
+        "snapkv",
+        "knorm",
+        "--ratios",
+        "0.5",
+        "--samples",
+        "2",
+        "--context-tokens",
+        "200",
+        "--no-progress",
+        "--no-plot",
+    ]
     assert main([*args, "--output", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())["records"]
     assert len(whole) == 2 * 2 * 3  # samples x modes x (full, snapkv, knorm)
@@ -270,9 +327,21 @@ def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
 
 def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
     args = [
-        "--model", "tiny", "--policies", "snapkv", "--ratios", "0.5", "--samples", "1",
-        "--context-tokens", "200", "--no-progress", "--no-plot", "--output", str(tmp_path),
-    ]  # fmt: skip
+        "--model",
+        "tiny",
+        "--policies",
+        "snapkv",
+        "--ratios",
+        "0.5",
+        "--samples",
+        "1",
+        "--context-tokens",
+        "200",
+        "--no-progress",
+        "--no-plot",
+        "--output",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert main([*args, "--resume", "--seed", "3"]) == 2
     error = capsys.readouterr().err

@@ -72,10 +72,24 @@ def test_runner_reports_what_only_kvpatch_breaks(tmp_path):
     source = stand_in_checkout(tmp_path / "transformers")
     summary = tmp_path / "summary.json"
     result = subprocess.run(
-        [sys.executable, str(RUNNER), "--source", str(source), "--models", "llama",
-         "--policies", "snapkv:0", "--out", str(tmp_path / "out"), "--json", str(summary)],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(RUNNER),
+            "--source",
+            str(source),
+            "--models",
+            "llama",
+            "--policies",
+            "snapkv:0",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+            str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 1, result.stdout + result.stderr  # one regression found
     (run,) = json.loads(summary.read_text())["runs"]
     assert (run["model"], run["policy"], run["tests"], run["passed"]) == ("llama", "snapkv:0", 5, 4)
@@ -91,10 +105,20 @@ def test_runner_reports_what_only_kvpatch_breaks(tmp_path):
 def test_runner_refuses_a_model_without_tests(tmp_path):
     source = stand_in_checkout(tmp_path / "transformers")
     result = subprocess.run(
-        [sys.executable, str(RUNNER), "--source", str(source), "--models", "qwen2",
-         "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(RUNNER),
+            "--source",
+            str(source),
+            "--models",
+            "qwen2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     assert "test_modeling_qwen2.py" in result.stderr and "--models" in result.stderr
 
@@ -137,10 +161,22 @@ def test_paired_draws_compare_stock_and_enabled_models_on_the_same_draws(tmp_pat
     source = stand_in_checkout(tmp_path / "transformers")
     (source / "tests/models/llama/test_modeling_llama.py").write_text(PADDING_FREE_TEST)
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests/external/paired_draws.py"), "--source", str(source),
-         "--model", "llama", "--policy", "ada-snapkv:0", "--draws", "3"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "tests/external/paired_draws.py"),
+            "--source",
+            str(source),
+            "--model",
+            "llama",
+            "--policy",
+            "ada-snapkv:0",
+            "--draws",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()[3:]]
     assert sum(int(draws) for *_, draws in rows) == 3, result.stdout

@@ -24,19 +24,23 @@ SINKS = 4
 
 def random_map(model, seed: int = 0, kind: str = "linear") -> HiddenStateMap:
     config = model.config
-    layers, hidden, kv = (
-        config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
-    )  # fmt: skip
+    layers, hidden, kv = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
     g = torch.Generator().manual_seed(seed)
     if kind == "linear":
         return HiddenStateMap(
-            "linear", torch.randn(layers, hidden, kv, generator=g), torch.randn(layers, kv),
+            "linear",
+            torch.randn(layers, hidden, kv, generator=g),
+            torch.randn(layers, kv),
             list(range(layers)),
-        )  # fmt: skip
+        )
     return HiddenStateMap(
-        "mlp", torch.randn(layers, hidden, 8, generator=g), torch.randn(layers, 8, generator=g),
-        list(range(layers)), torch.randn(layers, 8, kv, generator=g), torch.zeros(layers, kv),
-    )  # fmt: skip
+        "mlp",
+        torch.randn(layers, hidden, 8, generator=g),
+        torch.randn(layers, 8, generator=g),
+        list(range(layers)),
+        torch.randn(layers, 8, kv, generator=g),
+        torch.zeros(layers, kv),
+    )
 
 
 def kvzap(model, ratio=0.5, seed=0, kind="linear", **fields) -> KVzap:

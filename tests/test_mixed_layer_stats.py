@@ -18,9 +18,14 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 WINDOW = 32
 #: Gemma 3 270M's attention shape: 4 query heads sharing 1 KV head of 256 channels
 GEMMA_SHAPE = dict(
-    num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=256, hidden_size=64,
-)  # fmt: skip
+    num_hidden_layers=len(LAYER_TYPES),
+    layer_types=LAYER_TYPES,
+    sliding_window=WINDOW,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    hidden_size=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,11 @@ def test_the_saving_splits_by_layer_kind(gemma):
 def test_the_summary_line_says_so(gemma):
     text = str(compressed_stats(gemma, "knorm:0.5"))
     total = float(re.search(r"\(([\d.]+)% saved\)", text).group(1))
-    split = re.search(r"; full-attention layers ([\d.]+) of ([\d.]+) MiB \(([\d.]+)% saved\), "
-                      r"sliding-window layers ([\d.]+) MiB \(their windows\)$", text)  # fmt: skip
+    split = re.search(
+        r"; full-attention layers ([\d.]+) of ([\d.]+) MiB \(([\d.]+)% saved\), "
+        r"sliding-window layers ([\d.]+) MiB \(their windows\)$",
+        text,
+    )
     assert split is not None, text
     assert 45 < float(split.group(3)) < 55 and total < float(split.group(3))
     plain = str(compressed_stats(tiny_model(), "knorm:0.5"))  # no sliding layer: no split

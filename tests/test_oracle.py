@@ -103,18 +103,28 @@ def test_models_match_oracle(name):
 #: Gemma 3 270M's attention (4 query heads sharing 1 KV head of 256 channels, sliding layers
 #: between full ones) in 4 tiny layers, 2 of each kind so that layer budgets have a choice
 GEMMA3_270M_SHAPE = dict(
-    num_attention_heads=4, num_key_value_heads=1, head_dim=256, hidden_size=64,
-    num_hidden_layers=4, sliding_window=64,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    sliding_window=64,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa-padded", "eager"])
 @pytest.mark.parametrize(
     "policy",
-    ["snapkv:0.6", "ada-snapkv:0.6", "global-snapkv:0.6", "keydiff:0.75", "think:0.5+snapkv:0.5",
-     "think-v:0.25+snapkv:0.5"],
-)  # fmt: skip
+    [
+        "snapkv:0.6",
+        "ada-snapkv:0.6",
+        "global-snapkv:0.6",
+        "keydiff:0.75",
+        "think:0.5+snapkv:0.5",
+        "think-v:0.25+snapkv:0.5",
+    ],
+)
 def test_gemma3_270m_shape_matches_oracle(policy, attn, monkeypatch):
     """At the real model's head shape, the full-attention layers hold what the oracle masks and
     the sliding layers their window, through the prefill and decode steps past the window."""

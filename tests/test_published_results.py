@@ -27,9 +27,17 @@ INLINE = re.compile(r"`((?:python -m kvpatch\.eval|kvpatch eval) [^`]*)`")
 PREFIXES = (["python", "-m", "kvpatch.eval"], ["kvpatch", "eval"])
 #: settings that decide a result (the rest: where it is written, progress, plots)
 SETTINGS = (
-    "context_tokens", "samples", "seed", "model", "attn_implementation", "dtype", "digits",
-    "shared_prefill", "prefill_chunk", "quantize",
-)  # fmt: skip
+    "context_tokens",
+    "samples",
+    "seed",
+    "model",
+    "attn_implementation",
+    "dtype",
+    "digits",
+    "shared_prefill",
+    "prefill_chunk",
+    "quantize",
+)
 AS_SETS = ("policies", "ratios", "tasks", "modes")
 #: results stored under a policy's former name: what the command's names add to it today
 RENAMED = {

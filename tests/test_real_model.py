@@ -179,9 +179,11 @@ def test_compress_then_ask_on_the_demo_model(real_model, tmp_path, capsys):
     out = capsys.readouterr().out
     ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
     in_memory = ask(
-        context=document.read_text(), questions=questions, max_new_tokens=24,
+        context=document.read_text(),
+        questions=questions,
+        max_new_tokens=24,
         policy="global-kvzip:0.5",
-    )  # fmt: skip
+    )
     for question, expected in zip(questions, in_memory, strict=True):
         assert f"Q: {question}\nA: {expected['generated_text'].strip()}\n" in out
     assert "5829" in out  # the 135M model finds this fact; the room it misses in memory too

@@ -85,8 +85,13 @@ def test_a_context_saved_by_another_process_answers_identically(tmp_path):
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_the_file_holds_no_more_than_the_cache(tmp_path, quantize):
     """<= 1.02x the bytes held, at a size where the header and ids are small beside the KV."""
-    model = tiny_model(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=64)  # fmt: skip
+    model = tiny_model(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     with kvpatch.enabled(model, "ada-snapkv:0.5"):
         context = kvpatch.prefill(model, prompt(2000), quantize=quantize)
     context.save(tmp_path / "context.kvz")
@@ -149,8 +154,11 @@ def test_other_files_are_refused(saved, tmp_path):
         saving.read_header(plain)
     header = saving.read_header(saved)
     newer = tmp_path / "newer.kvz"
-    save_file({"x": torch.zeros(3)}, str(newer),
-              metadata={"kvpatch": json.dumps({**header, "format_version": 99})})  # fmt: skip
+    save_file(
+        {"x": torch.zeros(3)},
+        str(newer),
+        metadata={"kvpatch": json.dumps({**header, "format_version": 99})},
+    )
     with pytest.raises(ValueError, match=r"format 99 .* this kvpatch reads format 1"):
         saving.read_header(newer)
 

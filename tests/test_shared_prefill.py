@@ -25,11 +25,16 @@ def setup():
     # eager: a prefix's own prefill gives bit-identical keys (sdpa's kernels round differently
     # at another length, which can flip a near-tie in what a policy keeps)
     model = tiny_model(
-        "gemma3", "eager", key_scale=4.0, vocab_size=len(tokenizer),
+        "gemma3",
+        "eager",
+        key_scale=4.0,
+        vocab_size=len(tokenizer),
         num_hidden_layers=len(LAYER_TYPES),
-        layer_types=LAYER_TYPES, sliding_window=WINDOW, num_attention_heads=4,
+        layer_types=LAYER_TYPES,
+        sliding_window=WINDOW,
+        num_attention_heads=4,
         num_key_value_heads=1,
-    )  # fmt: skip
+    )
     ids = random_prompt(TOKENS, vocab=len(tokenizer))
     with kvpatch.enabled(model):
         shared = kvpatch.SharedPrefill.run(model, ids)

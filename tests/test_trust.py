@@ -71,9 +71,14 @@ def _padded(kind: str):
 
 def _generate_attentions(model, ids, mask):
     return model.generate(
-        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
-        output_attentions=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        output_attentions=True,
+        return_dict_in_generate=True,
+    )
 
 
 @pytest.mark.parametrize("padding", ["left", "right", "shared"])
@@ -125,9 +130,13 @@ def test_the_model_config_stays_the_stock_one():
 
     def logits(model):
         out = model.generate(
-            ids, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+            ids,
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
             return_dict_in_generate=True,
-        )  # fmt: skip
+        )
         return torch.stack(out.logits)
 
     sdpa_model = tiny_model(attn_implementation="sdpa", key_scale=4.0)  # the same weights

@@ -20,10 +20,15 @@ ids = torch.tensor([prompt])
 with kvpatch.enabled(model.eval(), policy):
     cache = kvpatch.CompressedDynamicCache(config=model.config)
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
         **{compat.cache_argument(model): cache},
-    )  # fmt: skip
+    )
 result = {
     "rank": dist.get_rank(),
     "tokens": out.sequences[0, ids.shape[1] :].tolist(),

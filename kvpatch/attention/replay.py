@@ -59,10 +59,12 @@ def attend(
             scores.div_(softcap).tanh_().mul_(softcap)
         real = chunk.query_valid[:, None, first:last, None]  # [b, 1, n, 1]
         visible = torch.cat(  # a padding query sees only itself
-            [(held_visible & real).expand(-1, -1, last - first, -1),
-             chunk.chunk_visible[:, None, first:last].expand(-1, held_visible.shape[1], -1, -1)],
+            [
+                (held_visible & real).expand(-1, -1, last - first, -1),
+                chunk.chunk_visible[:, None, first:last].expand(-1, held_visible.shape[1], -1, -1),
+            ],
             dim=-1,
-        )  # fmt: skip
+        )
         scores.masked_fill_(~visible[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1, out=_workspace(weight_space, shape))
         scored = weights[..., first_scored:held]

@@ -28,9 +28,14 @@ def crop(store: CompressedStore, remove: int) -> CompressedStore:
     positions = store.slot_positions()
     keep = store.slot_valid() & (positions < end)
     packed = PackedKV.pack(
-        keys, values, keep, store.packed.channels, positions, end,
+        keys,
+        values,
+        keep,
+        store.packed.channels,
+        positions,
+        end,
         value_channels=store.packed.value_channels,
-    )  # fmt: skip
+    )
     empty_keys, empty_values = keys[..., :0, :], values[..., :0, :]
     return CompressedStore(
         packed, empty_keys, empty_values, end, store.tail_valid[:, :0], store.keys.reserve

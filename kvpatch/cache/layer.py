@@ -185,9 +185,13 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         tokens = inputs.num_tokens  # the prefill; tokens after it (candidates) join the tail
         keys, values = self._keys, self._values
         self.store = CompressedStore.from_plan(
-            keys[..., :tokens, :], values[..., :tokens, :], plan, inputs.head_valid, reserve,
+            keys[..., :tokens, :],
+            values[..., :tokens, :],
+            plan,
+            inputs.head_valid,
+            reserve,
             self.quantization,
-        )  # fmt: skip
+        )
         if keys.shape[-2] > tokens:
             self.store.append(keys[..., tokens:, :], values[..., tokens:, :])
         self.setup = LayerSetup.from_inputs(policy, inputs, decode_budget)

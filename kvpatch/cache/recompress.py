@@ -244,9 +244,14 @@ def held_inputs(
     row)."""
     keys, values = store.dense()
     return setup.inputs(
-        queries, store.end, keys=keys, values=values, valid=store.slot_valid(),
-        keep_tokens=keep_tokens, hidden_scores=hidden_scores,
-    )  # fmt: skip
+        queries,
+        store.end,
+        keys=keys,
+        values=values,
+        valid=store.slot_valid(),
+        keep_tokens=keep_tokens,
+        hidden_scores=hidden_scores,
+    )
 
 
 def keep_held(
@@ -274,9 +279,15 @@ def segment_inputs(
     with the ``queries`` recorded while it was appended (and its tokens' ``hidden_scores``)."""
     keys, values = store.tail()
     return setup.inputs(
-        queries, store.end, keys=keys, values=values, valid=store.tail_valid,
-        replay_attention=replay_attention, at_start=False, hidden_scores=hidden_scores,
-    )  # fmt: skip
+        queries,
+        store.end,
+        keys=keys,
+        values=values,
+        valid=store.tail_valid,
+        replay_attention=replay_attention,
+        at_start=False,
+        hidden_scores=hidden_scores,
+    )
 
 
 def compress_segment(

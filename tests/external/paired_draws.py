@@ -44,9 +44,10 @@ def model_test(source: Path, name: str):
     sys.path.insert(0, str(source))
     module = importlib.import_module(f"tests.models.{name}.test_modeling_{name}")
     case = next(
-        value for key, value in vars(module).items()
+        value
+        for key, value in vars(module).items()
         if key.endswith("ModelTest") and getattr(value, "__module__", None) == module.__name__
-    )  # fmt: skip
+    )
     test = case("test_sdpa_padding_matches_padding_free_with_position_ids")
     test.setUp()
     return test

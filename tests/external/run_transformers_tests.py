@@ -163,9 +163,14 @@ def summarise(model: str, policy: str, without: dict[str, str], found: dict) -> 
     for name, message in others.items():
         print(f"    {name}: {message}")
     return {
-        "model": model, "policy": policy, "tests": len(without), "passed": passed,
-        "refusals": refused, "regressions": sorted(others), "messages": others,
-    }  # fmt: skip
+        "model": model,
+        "policy": policy,
+        "tests": len(without),
+        "passed": passed,
+        "refusals": refused,
+        "regressions": sorted(others),
+        "messages": others,
+    }
 
 
 if __name__ == "__main__":
