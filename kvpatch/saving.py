@@ -25,18 +25,6 @@ from kvpatch.compat import rotary_function
 
 FORMAT = "kvpatch-context"
 FORMAT_VERSION = 1
-#: config entries that name where or how a model was loaded, or what a call returns, not what it
-#: computes (private entries, starting with "_", are left out too)
-_CONFIG_NOISE = {
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "architectures",
-    "use_cache",
-    "return_dict",
-    "output_attentions",
-    "output_hidden_states",
-}
 
 
 def save(
@@ -154,19 +142,11 @@ def _check_model(header: dict, model: torch.nn.Module, path) -> None:
 def fingerprint(model: torch.nn.Module) -> dict:
     """What identifies a model's computation: its config (without where it was loaded from) and
     a SHA-256 of its parameters."""
-    config = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if k not in _CONFIG_NOISE and not k.startswith("_")
-    }
     weights = hashlib.sha256()
     for name, parameter in model.named_parameters():
         weights.update(name.encode())
         weights.update(_as_bytes(parameter))
-    return {
-        "config": json.loads(json.dumps(config, sort_keys=True, default=str)),
-        "weights": weights.hexdigest(),
-    }
+    return {"config": scorer_maps.computed_config(model), "weights": weights.hexdigest()}
 
 
 def checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:

@@ -38,26 +38,29 @@ _CONFIG_NOISE = {
 _identities: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
+def computed_config(model: torch.nn.Module) -> dict:
+    """The entries of ``model``'s config that say what it computes (not where or how it was
+    loaded, nor what a call returns; private entries left out), as JSON values."""
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in _CONFIG_NOISE and not k.startswith("_")
+    }
+    return json.loads(json.dumps(config, sort_keys=True, default=str))
+
+
 def identity(model: torch.nn.Module) -> dict:
     """The model's config (without load paths and call flags) and a SHA-256 of its weights as
     bfloat16; computed once per model object (about a second per 500 MB of weights)."""
     found = _identities.get(model)
     if found is not None:
         return found
-    config = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if k not in _CONFIG_NOISE and not k.startswith("_")
-    }
     weights = hashlib.sha256()
     for name, parameter in model.named_parameters():
         weights.update(name.encode())
         data = parameter.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
         weights.update(data.numpy().tobytes())
-    found = {
-        "config": json.loads(json.dumps(config, sort_keys=True, default=str)),
-        "weights": weights.hexdigest(),
-    }
+    found = {"config": computed_config(model), "weights": weights.hexdigest()}
     _identities[model] = found
     return found
 
