@@ -61,5 +61,19 @@ def test_long_generation(checkpoint):
 
 
 def test_quickstart_on_its_tiny_model():
+    """The sizes it prints are the cache's: the full one what 4 layers x 2 KV heads x 32
+    channels of keys and values hold for the tokens seen, the compressed one at least the
+    quarter of the prompt each head keeps at 0.75 (and the tokens decoded), at most its share
+    plus the index and the tail's spare room; both answers are 4 token ids."""
     out = run("quickstart.py", "--tiny", "--prompt-tokens", "300", "--new-tokens", "4")
-    assert "KV" in out
+    per_token = 4 * 2 * 2 * 32 * 4  # layers, keys and values, KV heads, channels, fp32 bytes
+    seen = 300 + 4 - 1  # the last new token is never written to the cache
+    full = float(re.search(r"KV cache, full: +([\d.]+) MB", out).group(1))
+    held = float(re.search(r"KV cache, compressed: +([\d.]+) MB", out).group(1))
+    saved = float(re.search(r"memory saved: .*\(([\d.]+)%\)", out).group(1))
+    assert full == round(per_token * seen / 2**20, 2)
+    kept = 300 - int(300 * 0.75) + 3
+    assert round(per_token * kept / 2**20, 2) <= held <= 0.4 * full
+    assert abs(saved - 100 * (1 - held / full)) < 1.5  # from the unrounded bytes
+    for answer in re.findall(r"answer \(token ids\): +(\[.*\])", out):
+        assert len(answer.split(",")) == 4
