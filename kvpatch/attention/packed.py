@@ -23,6 +23,7 @@ from math import inf
 
 import torch
 
+from kvpatch.attention import varlen
 from kvpatch.cache.packed import PackedKV, gather_channels
 from kvpatch.cache.shared_context import SharedContextStore
 from kvpatch.cache.store import CompressedStore
@@ -51,7 +52,9 @@ def serves(store: CompressedStore, query: torch.Tensor, kwargs: dict) -> bool:
     packed = store.packed
     if query.device.type not in DEVICES:
         return False
-    return packed.is_uniform or packed.lengths.numel() <= MAX_SEGMENTS
+    shared = isinstance(store, SharedContextStore)
+    one_call = not shared and varlen.kernel_for(query, packed) is not None
+    return packed.is_uniform or one_call or packed.lengths.numel() <= MAX_SEGMENTS
 
 
 def tail_visibility(
@@ -87,6 +90,12 @@ def attend(
     tail_keys, tail_values = store.tail()
     kv_heads = packed.lengths.shape[1]
     grouped = _grouped(query, scaling, kv_heads)
+    kernel = varlen.kernel_for(query, packed)
+    if kernel is not None and not packed.is_uniform:
+        try:
+            return _attend_in_one_call(store, grouped, tail_visible, query, kernel)
+        except RuntimeError as error:  # a kernel this GPU cannot run: never tried again
+            varlen.refused(query.device.type, error)
     tail_scores = grouped @ tail_keys.transpose(-1, -2)
     if tail_visible is not None:
         rows = grouped.shape[2]
@@ -98,6 +107,22 @@ def attend(
     output = _packed_output(packed, held, weights[..., :length])
     output = output.add_(weights[..., length:] @ tail_values)
     return _ungrouped(output, query)
+
+
+def _attend_in_one_call(store, grouped, tail_visible, query, kernel) -> torch.Tensor:
+    """:func:`attend` with every head's packed tokens read by one call of the variable-length
+    ``kernel`` (:mod:`~kvpatch.attention.varlen`), merged with the tail's by log-sum-exp."""
+    tail_keys, tail_values = store.tail()
+    kv_heads = grouped.shape[1]
+    scores = (grouped @ tail_keys.transpose(-1, -2)).float()
+    if tail_visible is not None:
+        rows = grouped.shape[2]
+        scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
+    tail_lse = scores.logsumexp(-1)
+    finite = tail_lse.masked_fill(~torch.isfinite(tail_lse), 0.0)  # a query that sees no tail
+    tail = (scores - finite[..., None]).exp().to(query.dtype) @ tail_values
+    packed = varlen.packed_part(store.packed, grouped, kernel)
+    return _ungrouped(varlen.merge([packed, (tail, tail_lse)], query.dtype), query)
 
 
 def _attend_shared(
