@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 import kvpatch
+from kvpatch.attention import kernels
 from kvpatch.loading import load_model
 
 FULL = "full"
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         kvpatch.disable(model)
     print_table(runs, args.context)
+    print(kernels.describe(model.device))
     return 0
 
 

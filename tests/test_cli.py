@@ -241,8 +241,10 @@ def test_eval_and_bench_subcommands(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     argv = ["bench", "--model", checkpoint, "--context", "300", "--tokens", "4", "--rounds", "1"]
     assert cli.main([*argv, "--policies", "knorm:0.75", "snapkv:0.5"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| full", "| knorm:0.75", "| snapkv:0.5"]
+    assert out.rstrip().endswith("stock sdpa as dispatched")  # which kernels served
 
 
 def test_the_console_script_is_declared():

@@ -28,6 +28,7 @@ import torch
 
 from kvpatch import compat, hidden_states
 from kvpatch.attention import packed, replay
+from kvpatch.attention.kernels import stock_kernels
 from kvpatch.attention.modules import bind_policy, scaling, unbind_policy
 from kvpatch.attention.padded import attend_padded, logical_weights
 from kvpatch.attention.prefill import compress_prefill
@@ -84,7 +85,11 @@ def _make_attention(backend: str) -> Callable:
 def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwargs):
     """Serve the request posted with ``key``, if any, with ``backend``'s stock function."""
     backend = _current_backend(backend, module)
-    original = compat.original_attention(backend, module)
+    stock = compat.original_attention(backend, module)
+    if backend == "sdpa" and query.device.type == "cuda":
+        original = _with_kernels(stock, query.device)
+    else:
+        original = stock
     hidden = hidden_states.take(module)
     request = take(key)
     if isinstance(request, (PackedRequest, PaddedRequest)):
@@ -110,6 +115,16 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
             )
         case _:
             return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def _with_kernels(stock: Callable, device: torch.device) -> Callable:
+    """``stock`` run with the sdpa backends kvpatch chooses (:mod:`~kvpatch.attention.kernels`)."""
+
+    def run(*args, **kwargs):
+        with stock_kernels(device):
+            return stock(*args, **kwargs)
+
+    return run
 
 
 def _current_backend(registered: str, module: torch.nn.Module) -> str:

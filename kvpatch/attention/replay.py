@@ -18,11 +18,13 @@ import math
 
 import torch
 
+from kvpatch.attention.kernels import workspace_elements
 from kvpatch.cache import ReplayRequest
 
-#: fp32 weights :func:`score_locally` computes at a time (8 MiB)
+#: fp32 weights :func:`score_locally` computes at a time on a CPU (8 MiB; on a GPU a share of its
+#: free memory, :func:`~kvpatch.attention.kernels.workspace_elements`)
 LOCAL_SCORE_ELEMENTS = 1 << 21
-#: fp32 weights :func:`attend` computes at a time (4 MiB, plus as much for their scores)
+#: fp32 weights :func:`attend` computes at a time on a CPU (4 MiB, plus as much for their scores)
 ATTEND_ELEMENTS = 1 << 20
 
 
@@ -45,7 +47,8 @@ def attend(
     held_visible = request.held_valid[:, :, None, :]  # [b, 1 or kv_heads, 1, held]
     output = values.new_empty(batch, kv_heads, group, q_len, values.shape[-1])
     best = None
-    rows = max(1, ATTEND_ELEMENTS // (batch * kv_heads * group * total))
+    budget = workspace_elements(query.device, ATTEND_ELEMENTS)
+    rows = max(1, budget // (batch * kv_heads * group * total))
     # two flat workspaces, reused by every block and layer of the chunk
     size = (batch * kv_heads * group * min(rows, q_len) * total,)
     score_space, weight_space = chunk.buffer("s", size, key), chunk.buffer("w", size, key)
@@ -103,7 +106,8 @@ def score_locally(
         value_norms = output_norms(module, gather(value), group)[..., None, :]
         hidden = chunk.hidden_norms[module.layer_idx].clamp(min=1e-6)[:, None, None, :, None]
     best = keys.new_zeros(batch, kv_heads, columns)
-    rows = max(1, LOCAL_SCORE_ELEMENTS // (batch * kv_heads * group * keys.shape[-1]))
+    budget = workspace_elements(query.device, LOCAL_SCORE_ELEMENTS)
+    rows = max(1, budget // (batch * kv_heads * group * keys.shape[-1]))
     for first in range(0, q_len, rows):
         last = min(first + rows, q_len)
         # one matmul per KV head (einsum is about three times slower here on the CPU)
