@@ -183,3 +183,61 @@ def test_a_kernel_that_fails_is_dropped_with_a_warning_and_the_segments_serve(mo
     with kvpatch.enabled(model, "ada-snapkv:0.6"):
         again, _ = greedy_logits(model, ids, CompressedDynamicCache(config=model.config), 3, tokens)
     torch.testing.assert_close(logits, again, atol=0, rtol=0)
+
+
+BATCHED_POLICIES = [
+    "ada-snapkv:0.6",
+    "think-v:0.5+ada-knorm:0.5",  # pruned value channels
+    "think:0.5+ada-snapkv:0.6",  # keys narrower than values: no variable-length kernel
+]
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("policy", BATCHED_POLICIES)
+def test_without_the_kernel_a_padded_copy_serves_every_head_at_once(policy, quantize, monkeypatch):
+    """Off the CPU (here: the CPU made to read as an accelerator does) with no variable-length
+    kernel, the kept channels are laid out padded in one copy and read in one product: the
+    oracle's logits (int8: the quantized cache's own reading on the CPU)."""
+    model, ids = make_model("llama"), prompt(300, batch=2)
+    with kvpatch.enabled(model, policy):
+        cache = CompressedDynamicCache(config=model.config, quantize=quantize)
+        expected, tokens = greedy_logits(model, ids, cache, 5)
+    if quantize is None:
+        expected = oracle_logits(model, ids, evictions_of(cache), tokens)
+    as_on_an_accelerator(monkeypatch)
+    with kvpatch.enabled(model, policy):
+        cache = CompressedDynamicCache(config=model.config, quantize=quantize)
+        logits, _ = greedy_logits(model, ids, cache, 5, tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def as_on_an_accelerator(monkeypatch) -> None:
+    """Read variable-length heads as off the CPU: no per-segment products, no slice copies."""
+    from kvpatch.cache import packed
+
+    monkeypatch.setattr(packed_attention, "SEGMENT_DEVICES", ())
+    monkeypatch.setattr(packed, "SLICE_COPY_HEADS", 0)
+
+
+def test_the_batched_reading_costs_as_many_operations_whatever_the_rows(monkeypatch):
+    as_on_an_accelerator(monkeypatch)
+    counts = []
+    for batch in (1, 6):
+        model, measured = make_model("llama"), []
+        real = packed_attention.attend
+
+        def attend(*args, real=real, measured=measured, **kwargs):
+            if measured:
+                return real(*args, **kwargs)
+            with _Operations() as counter:
+                output = real(*args, **kwargs)
+            measured.append(counter.count)
+            return output
+
+        monkeypatch.setattr(packed_attention, "attend", attend)
+        with kvpatch.enabled(model, "ada-snapkv:0.6"):
+            cache = CompressedDynamicCache(config=model.config)
+            greedy_logits(model, prompt(200, batch=batch), cache, 1)
+        monkeypatch.setattr(packed_attention, "attend", real)
+        counts.append(measured[0])
+    assert counts[0] == counts[1]

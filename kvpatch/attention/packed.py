@@ -36,6 +36,11 @@ DEVICES = ("cpu", "cuda")
 #: beyond this many variable-length (batch row, KV head) segments, the per-segment loop costs
 #: more than the padded view's copy
 MAX_SEGMENTS = 64
+#: devices where variable-length heads are read segment by segment (a few small products cost
+#: little on a CPU); elsewhere, where each product is a kernel launch, the variable-length
+#: kernel reads them in one call (:mod:`~kvpatch.attention.varlen`) or, without one, a padded
+#: copy of the kept channels serves every head in one batched product
+SEGMENT_DEVICES = ("cpu",)
 
 
 #: attention arguments that packed reading does not implement (the padded view serves them)
@@ -54,7 +59,8 @@ def serves(store: CompressedStore, query: torch.Tensor, kwargs: dict) -> bool:
         return False
     shared = isinstance(store, SharedContextStore)
     one_call = not shared and varlen.kernel_for(query, packed) is not None
-    return packed.is_uniform or one_call or packed.lengths.numel() <= MAX_SEGMENTS
+    batched = not shared and query.device.type not in SEGMENT_DEVICES
+    return packed.is_uniform or one_call or batched or packed.lengths.numel() <= MAX_SEGMENTS
 
 
 def tail_visibility(
@@ -100,7 +106,7 @@ def attend(
     if tail_visible is not None:
         rows = grouped.shape[2]
         tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
-    held = _held(packed)
+    held = _held(packed, query.device)
     packed_scores = _packed_scores(packed, held, grouped)
     weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), query.dtype)
     length = packed.max_length
@@ -215,11 +221,16 @@ def _ungrouped(output: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return output.transpose(1, 2).contiguous()
 
 
-def _held(packed: PackedKV):
+def _held(packed: PackedKV, device: torch.device):
     """The packed keys and values as the two functions below read them: ``(keys, values)``
-    rows of uniform heads, else each (batch row, KV head)'s views (decoded once per step if
-    quantized)."""
-    return packed.rows() if packed.is_uniform else packed.segment_views()
+    rows of uniform heads, else each (batch row, KV head)'s views on the devices that read
+    segment by segment, else a padded copy ``[batch, kv_heads, max_length, channels]`` (decoded
+    once per step if quantized)."""
+    if packed.is_uniform:
+        return packed.rows()
+    if device.type in SEGMENT_DEVICES:
+        return packed.segment_views()
+    return packed.padded_rows()
 
 
 def _packed_scores(packed: PackedKV, held, queries: torch.Tensor) -> torch.Tensor:
@@ -233,6 +244,10 @@ def _packed_scores(packed: PackedKV, held, queries: torch.Tensor) -> torch.Tenso
         # explicit widths: a view of no elements infers none
         keys = held[0].view(b, h, length, held[0].shape[-1])
         return queries @ keys.transpose(-1, -2)
+    if isinstance(held, tuple):  # the padded copy: one product, the padding at -inf
+        scores = queries @ held[0].transpose(-1, -2)
+        padding = torch.arange(length, device=scores.device) >= packed.lengths[..., None]
+        return scores.masked_fill_(padding[:, :, None, :], -inf)
     scores = queries.new_full((b, h, queries.shape[2], length), -inf)
     for segment, (keys, _) in enumerate(held):
         row, head = divmod(segment, h)
@@ -247,6 +262,8 @@ def _packed_output(packed: PackedKV, held, weights: torch.Tensor) -> torch.Tenso
     if packed.is_uniform:
         values = held[1].view(b, h, packed.max_length, held[1].shape[-1])
         return _widen(weights @ values, packed.value_channels, packed)
+    if isinstance(held, tuple):  # the padded copy (its padding has weight 0)
+        return _widen(weights @ held[1], packed.value_channels, packed)
     output = weights.new_zeros(b, h, weights.shape[2], packed.value_dim)
     for segment, (keys, values) in enumerate(held):
         row, head = divmod(segment, h)

@@ -180,6 +180,13 @@ class PackedKV:
             rows = target.view(-1, target.shape[-1])  # contiguous: raises otherwise
             rows.index_copy_(0, self.destinations(target.shape[1]), flat)
 
+    def padded_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept keys and values (kept channels only) laid out ``[batch, kv_heads,
+        max_length, channels]``, zeros after each head's tokens: one copy, no loop over heads
+        off the CPU."""
+        keys, values = self.rows()
+        return self._padded(keys), self._padded(values)
+
     def _padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Lay ``flat`` rows out as ``[batch, kv_heads, max_length, dim]``, zero after each head."""
         b, h = self.lengths.shape
