@@ -169,7 +169,7 @@ def test_the_launches_per_layer_step_do_not_grow_with_rows_and_heads(reference_k
 
 def test_a_kernel_that_fails_is_dropped_with_a_warning_and_the_segments_serve(monkeypatch):
     """FlashAttention-2 does not run on every GPU: the first failure warns, the step is served
-    per segment (the same logits), and the kernel is not tried again."""
+    without it (the same logits), and the kernel is not tried again."""
 
     def failing(*args, **kwargs):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")

@@ -89,11 +89,11 @@ def packed_part(
 
 def refused(device_type: str, error: Exception) -> None:
     """The kernel failed on this device (a GPU FlashAttention-2 does not run on, say): warn
-    once, and let the per-segment path serve from now on."""
+    once, and let the batched reading serve from now on."""
     KERNELS.pop(device_type, None)
     warnings.warn(
         f"kvpatch: the variable-length attention kernel failed on {device_type} ({error}); "
-        "decode steps read each head's packed tokens one at a time instead",
+        "decode steps read the packed heads from a padded copy instead",
         RuntimeWarning,
         stacklevel=2,
     )
