@@ -241,3 +241,23 @@ def test_the_batched_reading_costs_as_many_operations_whatever_the_rows(monkeypa
         monkeypatch.setattr(packed_attention, "attend", real)
         counts.append(measured[0])
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("policy", ["ada-snapkv:0.6", "think:0.5+think-v:0.5+ada-knorm:0.5"])
+def test_questions_sharing_a_context_read_it_in_one_call(policy, reference_kernel):
+    """``generate_many``: every row's queries meet the shared context's packed heads in one
+    call (each KV head a sequence); each answer is the question's alone, read per segment."""
+    model = make_model("llama")
+    generator = torch.Generator().manual_seed(11)
+    asked = [torch.randint(3, 120, (n,), generator=generator) for n in (3, 9, 1, 14)]
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with kvpatch.enabled(model, policy):
+        context = kvpatch.prefill(model, prompt(300))
+        together = context.generate_many(asked, **options)
+    kv_heads = model.config.num_key_value_heads
+    assert reference_kernel and set(reference_kernel) == {kv_heads}  # sequences of each call
+    varlen.KERNELS.pop("cpu")  # the questions alone, read segment by segment
+    with kvpatch.enabled(model, policy):
+        alone = [context.generate(q, **options) for q in asked]
+    for one, batched in zip(alone, together, strict=True):
+        assert torch.equal(one, batched)

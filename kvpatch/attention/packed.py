@@ -91,6 +91,13 @@ def attend(
     all visible) says which tail tokens each query sees. Returns ``[batch, q_len, q_heads,
     value_dim]``, as transformers' attention functions do."""
     if isinstance(store, SharedContextStore):
+        context = store.context.packed
+        kernel = varlen.kernel_for(query, context)
+        if kernel is not None and context.keys is not None and not context.is_uniform:
+            try:
+                return _attend_shared_in_one_call(store, query, tail_visible, scaling, kernel)
+            except RuntimeError as error:  # a kernel this GPU cannot run: never tried again
+                varlen.refused(query.device.type, error)
         return _attend_shared(store, query, tail_visible, scaling)
     packed = store.packed
     tail_keys, tail_values = store.tail()
@@ -124,11 +131,43 @@ def _attend_in_one_call(store, grouped, tail_visible, query, kernel) -> torch.Te
     if tail_visible is not None:
         rows = grouped.shape[2]
         scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
-    tail_lse = scores.logsumexp(-1)
-    finite = tail_lse.masked_fill(~torch.isfinite(tail_lse), 0.0)  # a query that sees no tail
-    tail = (scores - finite[..., None]).exp().to(query.dtype) @ tail_values
     packed = varlen.packed_part(store.packed, grouped, kernel)
-    return _ungrouped(varlen.merge([packed, (tail, tail_lse)], query.dtype), query)
+    tail = _normalised(scores, tail_values)
+    return _ungrouped(varlen.merge([packed, tail], query.dtype), query)
+
+
+def _attend_shared_in_one_call(store, query, rows_visible, scaling, kernel) -> torch.Tensor:
+    """:func:`attend` for rows sharing one context, its packed heads read by one call of the
+    variable-length ``kernel`` for every row's queries at once (each KV head a sequence), its
+    own tail and each row's tail in one product each, the three merged by log-sum-exp."""
+    row_keys, row_values = store.tail()
+    batch, kv_heads = row_keys.shape[:2]
+    grouped = _grouped(query, scaling, kv_heads)  # [batch, kv_heads, rows, dim]
+    rows = grouped.shape[2]
+    together = grouped.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
+    own_scores = (grouped @ row_keys.transpose(-1, -2)).float()
+    if rows_visible is not None:
+        own_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
+    # each row's own tail, laid out as the context's parts are: [1, kv_heads, batch * rows, ...]
+    together_layout = lambda t: t.transpose(0, 1).reshape(1, kv_heads, batch * rows, *t.shape[3:])
+    parts = [tuple(together_layout(t) for t in _normalised(own_scores, row_values))]
+    context_keys, context_values = store.context.keys.view(), store.context.values.view()
+    if context_keys.shape[-2]:  # the context's own tail, after its packed tokens
+        parts.append(
+            _normalised((together @ context_keys.transpose(-1, -2)).float(), context_values)
+        )
+    parts.append(varlen.packed_part(store.context.packed, together, kernel))
+    output = varlen.merge(parts, query.dtype).view(kv_heads, batch, rows, -1)
+    return _ungrouped(output.transpose(0, 1), query)
+
+
+def _normalised(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-weighted ``values`` over fp32 ``scores`` and the scores' log-sum-exp (a row that
+    sees nothing: zeros and -inf)."""
+    lse = scores.logsumexp(-1)
+    finite = lse.masked_fill(~torch.isfinite(lse), 0.0)
+    weights = (scores - finite[..., None]).exp().to(values.dtype)
+    return weights @ values, lse
 
 
 def _attend_shared(
