@@ -73,6 +73,7 @@ def run_ask(args: argparse.Namespace) -> int:
     import kvpatch
     from kvpatch.loading import load_model
     from kvpatch.saving import read_header
+    from kvpatch.terminal import prefill_bar
 
     header = read_header(args.context_file)
     made_with = header["extra"].get("model", "demo")
@@ -81,7 +82,8 @@ def run_ask(args: argparse.Namespace) -> int:
         context = _load(model, args, made_with)
         full = None
         if args.compare:  # the same tokens, prefilled again into a cache that keeps them all
-            full = kvpatch.prefill(model, context.input_ids, context.attention_mask)
+            with prefill_bar(model, context.input_ids):
+                full = kvpatch.prefill(model, context.input_ids, context.attention_mask)
         ask = pipeline("kvpatch-text-generation", model=model, tokenizer=tokenizer)
         for question in args.questions:  # one at a time: each answer shows when it is ready
             print(f"Q: {question}", flush=True)
