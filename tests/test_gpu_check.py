@@ -48,6 +48,18 @@ def test_dry_run_reports_every_configuration(tmp_path):
     assert (256, "math") in kernels and (512, "default") in kernels
     for heading in ("sdpa call", "Decode", "Memory", "Prefill cost"):
         assert heading in table
+    capacity = json.loads((out / "capacity.json").read_text())["capacity"]
+    fits = {r["configuration"]: r["batch"] for r in capacity}
+    assert set(fits) == {
+        "full",
+        "ada-snapkv:0.75",
+        "think:0.5+ada-snapkv:0.75",
+        "ada-snapkv:0.75@int4",
+    }
+    # a quarter of the tokens kept: several times the rows in the same memory
+    compressed = [batch for name, batch in fits.items() if name != "full"]
+    assert fits["full"] >= 1 and all(batch >= 3 * fits["full"] for batch in compressed)
+    assert "Largest batch" in (out / "capacity.md").read_text()
 
 
 def test_unknown_option_is_refused():
