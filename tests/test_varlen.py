@@ -16,6 +16,8 @@ from kvpatch import CompressedDynamicCache
 from kvpatch.attention import packed as packed_attention
 from kvpatch.attention import varlen
 
+#: the device the tests run on (``pytest --device``): the reference kernel stands in there
+DEVICE = torch.get_default_device().type
 #: variable-length heads whose kept key and value widths agree (what FlashAttention-2 takes)
 ONE_CALL_POLICIES = [
     "ada-snapkv:0.6",
@@ -33,8 +35,8 @@ def reference_kernel(monkeypatch):
         calls.append(args[3].numel() - 1)  # sequences in the call
         return varlen.reference_varlen(*args, **kwargs)
 
-    monkeypatch.setitem(varlen.KERNELS, "cpu", counted)
-    monkeypatch.setitem(varlen.DTYPES, "cpu", (torch.float32,))
+    monkeypatch.setitem(varlen.KERNELS, DEVICE, counted)
+    monkeypatch.setitem(varlen.DTYPES, DEVICE, (torch.float32,))
     return calls
 
 
@@ -122,7 +124,7 @@ def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int
     ids = prompt(200, batch=batch)
     cache = CompressedDynamicCache(config=model.config)
     counter, kernel_calls, measured = _Operations(), [], []
-    real_kernel = varlen.KERNELS["cpu"]
+    real_kernel = varlen.KERNELS[DEVICE]
 
     def kernel(*args, **kwargs):
         kernel_calls.append(1)
@@ -132,7 +134,7 @@ def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int
         finally:
             counter.inside = False
 
-    monkeypatch.setitem(varlen.KERNELS, "cpu", kernel)
+    monkeypatch.setitem(varlen.KERNELS, DEVICE, kernel)
     real_attend = packed_attention.attend
 
     def attend(*args, **kwargs):
@@ -174,12 +176,12 @@ def test_a_kernel_that_fails_is_dropped_with_a_warning_and_the_segments_serve(mo
     def failing(*args, **kwargs):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
 
-    monkeypatch.setitem(varlen.KERNELS, "cpu", failing)
-    monkeypatch.setitem(varlen.DTYPES, "cpu", (torch.float32,))
+    monkeypatch.setitem(varlen.KERNELS, DEVICE, failing)
+    monkeypatch.setitem(varlen.DTYPES, DEVICE, (torch.float32,))
     model, ids = make_model("llama"), prompt(200)
     with kvpatch.enabled(model, "ada-snapkv:0.6"), pytest.warns(RuntimeWarning, match="Ampere"):
         logits, tokens = greedy_logits(model, ids, CompressedDynamicCache(config=model.config), 3)
-    assert "cpu" not in varlen.KERNELS
+    assert DEVICE not in varlen.KERNELS
     with kvpatch.enabled(model, "ada-snapkv:0.6"):
         again, _ = greedy_logits(model, ids, CompressedDynamicCache(config=model.config), 3, tokens)
     torch.testing.assert_close(logits, again, atol=0, rtol=0)
@@ -256,8 +258,38 @@ def test_questions_sharing_a_context_read_it_in_one_call(policy, reference_kerne
         together = context.generate_many(asked, **options)
     kv_heads = model.config.num_key_value_heads
     assert reference_kernel and set(reference_kernel) == {kv_heads}  # sequences of each call
-    varlen.KERNELS.pop("cpu")  # the questions alone, read segment by segment
+    varlen.KERNELS.pop(DEVICE)  # the questions alone, read without the kernel
     with kvpatch.enabled(model, policy):
         alone = [context.generate(q, **options) for q in asked]
     for one, batched in zip(alone, together, strict=True):
         assert torch.equal(one, batched)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or varlen.varlen_attn is None,
+    reason="needs a CUDA GPU and torch >= 2.10 (torch's variable-length kernel)",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torchs_kernel_computes_what_the_reference_does(dtype):
+    """The real FlashAttention-2 kernel, as :func:`varlen.packed_part` calls it (one query head,
+    a sequence per (row, KV head), one of them empty), against the reference in fp32."""
+    from kvpatch.cache.packed import PackedKV
+
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([[40, 0], [7, 129]])
+    total = int(lengths.sum())
+    keys, values = (torch.randn(total, 128, generator=generator) for _ in range(2))
+    packed = PackedKV(
+        keys=keys.to("cuda", dtype),
+        values=values.to("cuda", dtype),
+        lengths=lengths.to("cuda"),
+        channels=None,
+        record=torch.zeros(0, device="cuda"),
+        head_dim=128,
+        value_dim=128,
+    )
+    grouped = (torch.randn(2, 2, 4, 128, generator=generator) * 128**-0.5).to("cuda", dtype)
+    output, lse = varlen.packed_part(packed, grouped, varlen.varlen_attn)
+    expected, expected_lse = varlen.packed_part(packed, grouped, varlen.reference_varlen)
+    torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-2, rtol=0)
