@@ -110,3 +110,19 @@ def _kvzap_maps(request, tmp_path_factory, monkeypatch):
 
     monkeypatch.setattr(scorer_maps, "default_path", default_path_with_a_map)
     yield
+
+
+@pytest.fixture
+def attend_calls(monkeypatch):
+    """How many layer steps :func:`kvpatch.attention.packed.attend` served."""
+    from kvpatch.attention import packed
+
+    calls = []
+    real = packed.attend
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packed, "attend", counting)
+    return calls

@@ -8,31 +8,20 @@ import math
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import GENERATION_MODES, ByteTokenizer, left_padded, prefill_and_decode
 from oracle import evictions_of, greedy_logits, oracle_logits
-from test_generation import GENERATION_MODES, left_padded
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat, parse_policy
 from kvpatch.attention import replay as replay_attention
-from kvpatch.feed import prefill_into
-from kvpatch.patching import tokenizer_of
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
 from kvpatch.testing import seeded
 
 STEPS = 8
-
-
-class ByteTokenizer:
-    """One token per byte (ids below the tiny models' vocabulary), no chat template."""
-
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": list(text.encode())}
 
 
 class ChatTokenizer(ByteTokenizer):
@@ -226,20 +215,6 @@ AGNOSTIC_POLICIES = [
     "think:0.5+ada-keydiff:0.5",
     "global-snapkv:0.5",
 ]
-
-
-def prefill_and_decode(model, ids, cache, steps=STEPS):
-    """``kvpatch.prefill``'s path (prefill, reconstruction, compression), then greedy steps."""
-    get_tokenizer = lambda: tokenizer_of(model)  # the one given to enable
-    logits = [prefill_into(model, cache, ids, torch.ones_like(ids), get_tokenizer)[:, -1].float()]
-    fed = []
-    name = compat.cache_argument(model)
-    with torch.no_grad():
-        for _ in range(steps):
-            fed.append(logits[-1].argmax(-1, keepdim=True))
-            out = model(fed[-1], use_cache=True, **{name: cache})
-            logits.append(out.logits[:, -1].float())
-    return torch.stack(logits), torch.cat(fed, 1)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -642,7 +617,7 @@ def test_extend_compresses_each_turn_as_the_oracle_says(policy):
 )
 def test_agnostic_bytes_after_prefill(policy, kept, dtype):
     """After ``kvpatch.prefill`` of 1,024 tokens, every tensor held counts, (1 - r) of full."""
-    from test_memory import PROMPT, SLACK, held_bytes
+    from helpers import PROMPT, SLACK, held_bytes
 
     model = make_model("llama").to(dtype)
     ids = prompt(PROMPT)

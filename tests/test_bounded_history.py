@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, prompt
-from test_generation import generate
+from helpers import generate
 
 import kvpatch
 from kvpatch.testing import random_prompt, save_tiny_checkpoint

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import generate, left_padded
 from oracle import ORACLE, _evictions, _schedule, evictions_of, greedy_logits
-from test_generation import generate, left_padded
 from transformers import DynamicCache
 
 import kvpatch

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import generate, left_padded, run_oracle_generate
 from oracle import evictions_of, greedy_logits, oracle_logits
-from test_generation import generate, left_padded, run_oracle_generate
 from transformers import DynamicCache
 
 import kvpatch
@@ -127,7 +127,7 @@ def test_flash_question_chunk_is_causal_from_the_bottom_right(flash):
 @pytest.mark.parametrize("policy", ["kvzip:0.5", "think:0.5+global-kvzip:0.6", "keydiff:0.5"])
 def test_flash_attention_question_agnostic_matches_oracle(flash, policy):
     """KVzip's reconstruction computes its own attention, so it runs under flash too."""
-    from test_agnostic import ByteTokenizer, prefill_and_decode
+    from helpers import ByteTokenizer, prefill_and_decode
 
     model = flash.model()
     ids = ids_on(flash, prompt(400))

@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import make_model, prompt
 from oracle import ORACLE, _evictions, evictions_of
-from test_packed_attention import attend_calls  # noqa: F401  (a fixture)
 from transformers import DynamicCache
 
 import kvpatch
@@ -115,7 +114,7 @@ def test_logits_of_a_shared_context_equal_a_copy_per_question(policy):
             torch.testing.assert_close(batch[row], alone[0], atol=2e-5, rtol=0)
 
 
-def test_the_context_is_stored_once_and_left_unchanged(attend_calls):  # noqa: F811
+def test_the_context_is_stored_once_and_left_unchanged(attend_calls):
     model = make_model("llama")
     asked = questions()
     with kvpatch.enabled(model, "ada-snapkv:0.6"), torch.no_grad():

@@ -6,6 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import (
+    GENERATION_MODES,
+    decode_against_schedule,
+    generate,
+    held_per_head,
+    left_padded,
+    run_oracle_generate,
+)
 from oracle import ORACLE, evictions_of, greedy_logits, oracle_logits
 from transformers import DynamicCache
 
@@ -28,31 +36,6 @@ POLICIES = [
 LENGTHS = [300, 220, 160, 90]
 
 
-def left_padded(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
-    return ids, mask
-
-
-def generate(model, ids, mask=None, new_tokens=8, cache=None, **kwargs):
-    mask = torch.ones_like(ids) if mask is None else mask
-    if cache is not None:
-        kwargs[compat.cache_argument(model)] = cache
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kwargs,
-    )
-    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, 1), compat.cache_of(out)
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_padded_batch_equals_each_prompt_alone(policy):
     attn = "eager" if policy in ("ada-snapkv", "think+snapkv") else "sdpa"
@@ -70,32 +53,6 @@ def test_padded_batch_equals_each_prompt_alone(policy):
             torch.testing.assert_close(logits[row], alone_logits[0], atol=tolerance, rtol=0)
             # each row keeps a budget of its own real length, padding never kept
             assert torch.equal(lengths[row], alone.physical_lengths()[0][0])
-
-
-def run_oracle_generate(model, ids, cache, **kwargs):
-    """The same generate() call on the oracle (masked full cache) with ``cache``'s evictions."""
-    from oracle import _evictions
-
-    implementation = compat.attention_implementation(model)
-    _evictions.update(evictions_of(cache))
-    compat.set_attention_implementation(model, ORACLE)
-    try:
-        return generate(model, ids, **kwargs)
-    finally:
-        compat.set_attention_implementation(model, implementation)
-        _evictions.clear()
-
-
-#: beams, beams with several returned sequences, sampling with several returned sequences
-GENERATION_MODES = pytest.mark.parametrize(
-    "settings",
-    [
-        dict(num_beams=3, do_sample=False),
-        dict(num_beams=3, num_return_sequences=2, do_sample=False),
-        dict(do_sample=True, num_return_sequences=3, top_k=20),
-    ],
-    ids=["beams", "beams-return-2", "sampling-return-3"],
-)
 
 
 @GENERATION_MODES
@@ -217,33 +174,6 @@ def test_multi_turn_cache_reuse_matches_oracle():
 def test_prefill_requires_enable():
     with pytest.raises(ValueError, match="enable"):
         kvpatch.prefill(make_model("llama"), prompt(10))
-
-
-def held_per_head(cache):
-    """Per layer, tokens held per KV head on average (the largest batch row)."""
-    return [float(n.float().mean(-1).max()) for n in cache.physical_lengths()]
-
-
-def decode_against_schedule(model, ids, policy, budget, interval, steps):
-    """Greedy decoding one forward a step on a budgeted cache; returns the logits of every step,
-    the tokens fed, the evictions in force at each key length, the bytes after each step and the
-    most tokens a head held."""
-    name = compat.cache_argument(model)
-    schedule, logits, fed, held_bytes, most = {}, [], [], [], 0
-    with kvpatch.enabled(model, policy), torch.no_grad():
-        cache = CompressedDynamicCache(
-            config=model.config, decode_budget=budget, decode_interval=interval
-        )
-        out = model(ids, **{name: cache})
-        for _ in range(steps):
-            logits.append(out.logits[:, -1])
-            fed.append(logits[-1].argmax(-1, keepdim=True))
-            out = model(fed[-1], **{name: cache})
-            schedule[cache.get_seq_length()] = evictions_of(cache)
-            most = max(most, *held_per_head(cache))
-            held_bytes.append(cache.nbytes())
-        logits.append(out.logits[:, -1])
-    return torch.stack(logits), torch.cat(fed, 1), schedule, held_bytes, most
 
 
 @pytest.mark.parametrize("policy", ["ada-snapkv:0.5", "think:0.5+knorm:0.5", "streamingllm"])

@@ -2,51 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import PROMPT, SLACK, held_bytes, prefill
 from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat
-
-PROMPT = 1024
-SLACK = 0.02
-
-
-def held_bytes(obj, seen=None, visited=None) -> int:
-    """Bytes of every distinct tensor storage reachable from ``obj``'s attributes (through
-    containers, dataclasses and kvpatch's own objects)."""
-    seen = {} if seen is None else seen
-    visited = set() if visited is None else visited
-    if id(obj) in visited:
-        return sum(seen.values())
-    visited.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            held_bytes(item, seen, visited)
-    elif hasattr(obj, "__dict__"):
-        for value in vars(obj).values():
-            if _may_hold_tensors(value):
-                held_bytes(value, seen, visited)
-    return sum(seen.values())
-
-
-def _may_hold_tensors(value) -> bool:
-    if isinstance(value, (torch.Tensor, list, tuple)) or dataclasses.is_dataclass(value):
-        return True
-    return type(value).__module__.startswith("kvpatch.")
-
-
-def prefill(model, cache):
-    with torch.no_grad():
-        model(prompt(PROMPT), use_cache=True, **{compat.cache_argument(model): cache})
-    return cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

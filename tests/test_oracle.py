@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import STEPS, compressed_run
 from oracle import evictions_of, greedy_logits, oracle_logits
 
-import kvpatch
-from kvpatch import CompressedDynamicCache
 from kvpatch.attention import packed as packed_attention
 from kvpatch.testing import tiny_model
 
@@ -23,17 +22,6 @@ ORACLE_POLICIES = [
     "think:0.25+ada-snapkv:0.75",
     "tova:0.5",
 ]
-STEPS = 10
-
-
-def compressed_run(model, policy: str, ids: torch.Tensor):
-    kvpatch.enable(model, policy)
-    try:
-        cache = CompressedDynamicCache(config=model.config)
-        logits, tokens = greedy_logits(model, ids, cache, STEPS)
-    finally:
-        kvpatch.disable(model)
-    return logits, tokens, cache
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa-padded", "eager"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import generate, left_padded, run_oracle_generate
 from oracle import evictions_of, greedy_logits, oracle_logits
-from test_generation import generate, left_padded, run_oracle_generate
 
 import kvpatch
 from kvpatch import CompressedDynamicCache
@@ -19,20 +19,6 @@ PACKED_POLICIES = [
     "think-v:0.5+ada-knorm:0.5",  # variable-length heads, pruned value channels
     "think:0.25+think-v:0.25+ada-snapkv:0.75",
 ]
-
-
-@pytest.fixture
-def attend_calls(monkeypatch):
-    """How many layer steps :func:`packed_attention.attend` served."""
-    calls = []
-    real = packed_attention.attend
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(packed_attention, "attend", counting)
-    return calls
 
 
 def padded_only(monkeypatch) -> None:

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
+from helpers import generate, left_padded, run_oracle_generate
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from test_generation import generate, left_padded, run_oracle_generate
 from transformers import DynamicCache
 
 import kvpatch

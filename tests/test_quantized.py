@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import generate, left_padded
+from helpers import prefill as prefill_memory_prompt
 from oracle import greedy_logits
-from test_generation import generate, left_padded
-from test_memory import prefill as prefill_memory_prompt
 
 import kvpatch
 from kvpatch import CompressedDynamicCache
@@ -187,7 +187,7 @@ BASE_POLICIES = [n for n in kvpatch.policy_names() if "-" not in n or n == "expe
 def test_every_policy_composes_with_int4(policy):
     """Each policy, uniform, head-wise, global or pyramid, compresses into int4 storage, holds
     less than its unquantized cache, and answers a question close to it."""
-    from test_agnostic import ByteTokenizer
+    from helpers import ByteTokenizer
 
     model = make_model("llama")
     context, question = prompt(1000), prompt(6, seed=4)  # 500 kept: 128 of them the residual

@@ -9,8 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_model, prompt
-from test_agnostic import ByteTokenizer
-from test_generation import left_padded
+from helpers import ByteTokenizer, left_padded
 
 import kvpatch
 from kvpatch.policies import SnapKV

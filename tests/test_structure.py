@@ -165,3 +165,17 @@ def test_the_function_check_sees_a_long_function():
     assert long_functions(f"def f():\n{body}\n") == [f"f ({MAX_FUNCTION_LINES + 1} lines)"]
     reasoned = f"def f():\n    {LONG_REASON} a table of options\n{body}\n"
     assert long_functions(reasoned) == []
+
+
+def test_tests_share_code_through_helpers_not_through_each_other():
+    """A test module imports what it shares from conftest, oracle or helpers, never from another
+    test module (whose tests would then be collected twice, or its fixtures in hiding);
+    ``bad_input_table.py``, the script that writes the bad-input page, reads the cases."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name == "bad_input_table.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("test_"):
+                found.append(f"{path.name}: from {node.module}")
+    assert found == []

@@ -8,11 +8,17 @@ import math
 import pytest
 import torch
 from conftest import make_model, prompt
+from helpers import (
+    PROMPT,
+    SLACK,
+    compressed_run,
+    decode_against_schedule,
+    generate,
+    left_padded,
+    run_oracle_generate,
+)
+from helpers import prefill as prefill_memory_prompt
 from oracle import evictions_of, greedy_logits, oracle_logits
-from test_generation import decode_against_schedule, generate, left_padded, run_oracle_generate
-from test_memory import PROMPT, SLACK
-from test_memory import prefill as prefill_memory_prompt
-from test_oracle import compressed_run
 from transformers import DynamicCache
 
 import kvpatch
