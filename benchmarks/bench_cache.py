@@ -87,12 +87,19 @@ def build_model(**fields):
 
 
 def timed_generate(
-    model, make_cache, cache_argument: str, tokens: int, decode_tokens: int, clock, around=None
+    model,
+    make_cache,
+    cache_argument: str,
+    tokens: int,
+    decode_tokens: int,
+    clock,
+    around=None,
+    batch: int = 1,
 ) -> int:
-    """``generate`` on ``tokens`` random tokens into ``make_cache()`` (inside ``around()``, e.g.
-    a kvpress press), decoding ``decode_tokens`` greedily, each step timed by ``clock``; returns
-    the KV bytes held at the end."""
-    ids = torch.randint(0, 4096, (1, tokens), generator=torch.Generator().manual_seed(1))
+    """``generate`` on ``batch`` rows of ``tokens`` random tokens into ``make_cache()`` (inside
+    ``around()``, e.g. a kvpress press), decoding ``decode_tokens`` greedily, each step timed by
+    ``clock``; returns the KV bytes held at the end."""
+    ids = torch.randint(0, 4096, (batch, tokens), generator=torch.Generator().manual_seed(1))
     ids = ids.to(model.device)
     cache = make_cache()
     with torch.inference_mode(), around() if around else contextlib.nullcontext():
@@ -109,7 +116,9 @@ def timed_generate(
     return cache_nbytes(cache)
 
 
-def kvpatch_runs(labels: list[str], context: int, decode_tokens: int, model=None) -> dict[str, Run]:
+def kvpatch_runs(
+    labels: list[str], context: int, decode_tokens: int, model=None, batch: int = 1
+) -> dict[str, Run]:
     """One model (:func:`build_model` unless given) for every configuration: a stock
     ``DynamicCache`` for the baselines, a ``CompressedDynamicCache`` carrying its own policy for
     the others."""
@@ -135,7 +144,9 @@ def kvpatch_runs(labels: list[str], context: int, decode_tokens: int, model=None
                 quantize=quantize or None,
             )
             tokens = context
-        runs[label] = partial(timed_generate, model, make_cache, argument, tokens, decode_tokens)
+        runs[label] = partial(
+            timed_generate, model, make_cache, argument, tokens, decode_tokens, batch=batch
+        )
     return runs
 
 

@@ -3,12 +3,13 @@
 A Llama-3-8B-shaped random model with fewer layers (bf16; 32 query heads sharing 8 KV heads of
 128 channels) prefills ``--contexts`` random tokens at ratio ``--ratio``:
 
-- decode: per-token time of the full ``DynamicCache``, the *limit* (a ``DynamicCache`` of the
-  kept tokens), and each policy, their ``generate`` steps interleaved and timed where they happen
-  (:func:`kvpatch.bench.take_turns`), medians of ``--rounds`` rounds. Each policy runs twice:
-  through the padded view the stock kernel reads (``padded``), and reading packed storage
-  directly (``packed``, :mod:`kvpatch.attention.packed`, which kvpatch otherwise uses on the CPU
-  only);
+- decode: per-step time, at each of ``--batches`` (1 and 8 rows: memory-bound), of the full
+  ``DynamicCache``, the *limit* (a ``DynamicCache`` of the kept tokens), and each policy, their
+  ``generate`` steps interleaved and timed where they happen (:func:`kvpatch.bench.take_turns`),
+  medians of ``--rounds`` rounds. Each policy runs through the padded view the stock kernel
+  reads (``padded``), and reading packed storage directly (``packed``,
+  :mod:`kvpatch.attention.packed`, kvpatch's default: on CUDA, every head in one
+  variable-length call per layer);
 - memory: for each configuration alone, the cache's bytes, the memory still allocated after a
   short ``generate`` (the cache and nothing else of it) and the peak during it;
 - prefill: ``global-kvzip`` (both normalisations) against a plain prefill, medians of 2.
@@ -141,16 +142,21 @@ def decode(model, context: int, args) -> list[dict]:
     policies = [f"{name}:{args.ratio:g}" for name in POLICIES]
     limit = f"{LIMIT}:{args.ratio:g}"
     records = []
-    for reading, kernel in GROUPS:
-        runs = kvpatch_runs([FULL, limit, *policies], context, args.tokens, model=model)
-        try:
-            with decode_setting(model.device, reading, kernel):
-                measured = measure_rounds(runs, context, args.rounds)
-        finally:
-            kvpatch.disable(model)
-        group = f"{reading}, {kernel}"
-        for results in measured.values():
-            records += [{**r, "reading": group, "round": i} for i, r in enumerate(results)]
+    for batch in args.batches:
+        for reading, kernel in GROUPS:
+            labels = [FULL, limit, *policies]
+            runs = kvpatch_runs(labels, context, args.tokens, model=model, batch=batch)
+            try:
+                with decode_setting(model.device, reading, kernel):
+                    measured = measure_rounds(runs, context, args.rounds)
+            finally:
+                kvpatch.disable(model)
+            group = f"{reading}, {kernel}"
+            for results in measured.values():
+                records += [
+                    {**r, "batch": batch, "reading": group, "round": i}
+                    for i, r in enumerate(results)
+                ]
     return records
 
 
@@ -290,23 +296,24 @@ def median_ratio(records: list[dict], baseline: list[dict], key: str) -> float:
 
 def decode_table(records: list[dict]) -> list[str]:
     lines = [
-        "| context | reading | configuration | KV MiB | ms / token | decode / full | "
+        "| context | batch | reading | configuration | KV MiB | ms / step | decode / full | "
         "decode / limit |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["context"], r["reading"], r["policy"]), []).append(r)
-    for (context, reading, policy), results in groups.items():
-        full = groups[(context, reading, FULL)]
+        groups.setdefault((r["context"], r["batch"], r["reading"], r["policy"]), []).append(r)
+    for (context, batch, reading, policy), results in groups.items():
+        full = groups[(context, batch, reading, FULL)]
         limit = next(
             v
-            for (c, g, p), v in groups.items()
-            if (c, g) == (context, reading) and p.startswith(LIMIT)
+            for (c, b, g, p), v in groups.items()
+            if (c, b, g) == (context, batch, reading) and p.startswith(LIMIT)
         )
         ms = statistics.median(r["decode_s"] for r in results) * 1e3
         lines.append(
-            f"| {context} | {reading} | {policy} | {results[0]['kv_bytes'] / 2**20:.1f} | "
+            f"| {context} | {batch} | {reading} | {policy} | "
+            f"{results[0]['kv_bytes'] / 2**20:.1f} | "
             f"{ms:.2f} | {median_ratio(results, full, 'decode_s'):.2f} | "
             f"{median_ratio(results, limit, 'decode_s'):.2f} |"
         )
@@ -388,6 +395,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8], help="rows decoded together"
+    )
     parser.add_argument("--kvzip-context-max", type=int, default=32768)
     parser.add_argument("--commit", default="unknown", help="the commit measured (for the report)")
     parser.add_argument(
@@ -397,6 +407,7 @@ def parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     if args.dry_run:
         args.device, args.contexts, args.tokens, args.rounds = "cpu", [256, 512], 4, 1
+        args.batches = [1, 2]
         args.layers, args.kvzip_context_max = 2, 256
     args.dtype = torch.float32 if args.dry_run else torch.bfloat16
     return args

@@ -40,6 +40,8 @@ def sample_texts(
 ) -> list[str]:
     """``count`` texts of up to ``tokens`` tokens the model writes from :data:`SEED_PROMPTS`
     (cycled), sampled in one batch with a fixed seed."""
+    from transformers import StoppingCriteriaList
+
     prompts = [SEED_PROMPTS[i % len(SEED_PROMPTS)] for i in range(count)]
     templated = bool(getattr(tokenizer, "chat_template", None))
     if templated:
@@ -61,8 +63,6 @@ def sample_texts(
     device = next(model.parameters()).device
     # what a causal LM reads: a tokenizer's token_type_ids would be refused by generate
     encoded = {k: encoded[k].to(device) for k in ("input_ids", "attention_mask")}
-    from transformers import StoppingCriteriaList
-
     progress(f"writing {count} training texts of up to {tokens} tokens (sampled, seed {seed})")
     torch.manual_seed(seed)
     out = model.generate(

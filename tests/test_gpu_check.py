@@ -30,9 +30,13 @@ def test_dry_run_reports_every_configuration(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["environment"]["device"]
     contexts = {256, 512}
-    decoded = {(r["context"], r["reading"], r["policy"]) for r in report["decode"]}
+    decoded = {(r["context"], r["batch"], r["reading"], r["policy"]) for r in report["decode"]}
     assert decoded == {
-        (c, reading, p) for c in contexts for reading in READINGS for p in CONFIGURATIONS
+        (c, b, reading, p)
+        for c in contexts
+        for b in (1, 2)
+        for reading in READINGS
+        for p in CONFIGURATIONS
     }
     assert all(r["decode_s"] > 0 and r["kv_bytes"] > 0 for r in report["decode"])
     stored = {(r["context"], r["policy"]): r["kv_bytes"] for r in report["memory"]}
