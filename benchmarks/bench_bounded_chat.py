@@ -5,7 +5,7 @@ Each configuration appends the same user/assistant turns (rendered with the chat
 about 20 tokens each) to a :class:`~kvpatch.CompressedContext` and prints, at a few turn
 counts, the tokens each head holds on average and the cache's bytes.
 
-    python benchmarks/bench_bounded_chat.py --turns 1000 --budget 512
+    python -m benchmarks.bench_bounded_chat --turns 1000 --budget 512
 """
 
 from __future__ import annotations

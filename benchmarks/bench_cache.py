@@ -9,7 +9,7 @@ rounds: the full ``DynamicCache``, and the *limit* of each ratio r (a ``DynamicC
 ``POLICY@int8`` (or ``@int4``) stores the kept tokens quantized. Each ratio is taken within a
 round; the table gives their medians over ``--repeats`` rounds, with their spread.
 
-    python benchmarks/bench_cache.py --contexts 2048 4096 8192 16384 --threads 1
+    python -m benchmarks.bench_cache --contexts 2048 4096 8192 16384 --threads 1
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -151,12 +152,16 @@ def kvpatch_runs(
 
 
 def run_isolated(script: str, *child, env: dict[str, str] | None = None) -> dict:
-    """Run ``script --child CHILD...`` in a fresh process, so that its peak memory is its own
-    (``env``: variables added to its environment); returns the JSON object its last line
-    prints."""
-    command = [sys.executable, script, "--child", *map(str, child)]
+    """Run the benchmark ``script`` (its ``__file__``) as ``python -m benchmarks.NAME --child
+    CHILD...`` in a fresh process, so that its peak memory is its own (``env``: variables added
+    to its environment); returns the JSON object its last line prints."""
+    module = f"benchmarks.{Path(script).stem}"
+    command = [sys.executable, "-m", module, "--child", *map(str, child)]
     environment = {**os.environ, **env} if env else None
-    result = subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
+    root = Path(__file__).resolve().parents[1]  # where the benchmarks package is importable
+    result = subprocess.run(
+        command, check=True, capture_output=True, text=True, env=environment, cwd=root
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -6,17 +6,21 @@ environment) with bench_cache.py's:
 
     python -m venv /tmp/kvpress-env
     /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress -e .
-    /tmp/kvpress-env/bin/python benchmarks/bench_kvpress.py --contexts 8192
+    /tmp/kvpress-env/bin/python -m benchmarks.bench_kvpress --contexts 8192
 """
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, LIMIT, baseline_tokens, build_model, run_benchmark, timed_generate
+from benchmarks.bench_cache import (
+    FULL,
+    LIMIT,
+    baseline_tokens,
+    build_model,
+    run_benchmark,
+    timed_generate,
+)
 
 POLICIES = [
     "snapkv:0.5",

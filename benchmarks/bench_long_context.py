@@ -14,7 +14,7 @@ every decoder layer, plus the KV that layer adds: a chunk, or the whole context 
 the process's peak resident memory above what it held before the prefill (weights, ids and
 the allocator's own included); and the prefill's wall time.
 
-    python benchmarks/bench_long_context.py --contexts 8192 16384 32768 --plot docs/long_context.png
+    python -m benchmarks.bench_long_context --contexts 8192 16384 32768 --plot docs/long_context.png
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import run_isolated
+from benchmarks.bench_cache import run_isolated
 
 MODES = ("dynamic", "oneshot", "chunked")
 
 
 def build_model():
     """:func:`bench_cache.build_model` made smaller, so that 32k tokens prefill in a minute."""
-    from bench_cache import build_model as bench_model
+    from benchmarks.bench_cache import build_model as bench_model
 
     return bench_model(
         hidden_size=256,

@@ -10,23 +10,19 @@ speed-up (one after another / batch) against the 0.5 N target, and the KV bytes 
 at its end (the context once and N tails) beside those of a batch of N copies of the context
 (each copy with its question and answer, as copying the cache per row would hold).
 
-    python benchmarks/bench_many_questions.py --models bench demo --contexts 2048 8000
+    python -m benchmarks.bench_many_questions --models bench demo --contexts 2048 8000
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import build_model
-
 import kvpatch
+from benchmarks.bench_cache import build_model
 from kvpatch import context as context_module
 
 QUESTION_TOKENS = 20

@@ -16,7 +16,7 @@ storage actually allocated.
 reconstruction (the same chunks of 512 through the ``DynamicCache``, each cropped away after it)
 with the stock kernel and no scoring; what a ``kvzip`` row takes beyond it is its scoring.
 
-    python benchmarks/bench_prefill.py --contexts 2048 8192
+    python -m benchmarks.bench_prefill --contexts 2048 8192
 
 A policy may carry settings after a slash, e.g. ``kvzip:0.5/chunk_size=512,normalise=context``.
 """
@@ -27,14 +27,11 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, build_model, run_isolated, spread
+from benchmarks.bench_cache import FULL, build_model, run_isolated, spread
 
 #: one policy of every scorer, budget allocation and channel selection; KVzip's reconstruction
 #: (one more pass over the context) last

@@ -4,7 +4,7 @@ Prefills ``--context`` random tokens into bench_cache's random Llama (bf16 by de
 policy at full precision, int8 and int4, and prints the bytes held next to the formula
 ``(1 - r) x full x bits / (8 x dtype bytes)`` plus the scales and the full-precision residual.
 
-    python benchmarks/bench_quantized_bytes.py --context 8192
+    python -m benchmarks.bench_quantized_bytes --context 8192
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import argparse
 import math
 
 import torch
-from bench_cache import build_model
 
 import kvpatch
+from benchmarks.bench_cache import build_model
 
 POLICIES = ["snapkv:0.5", "ada-snapkv:0.5", "think:0.5+snapkv:0.5", "snapkv:0.75"]
 

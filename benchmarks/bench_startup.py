@@ -2,7 +2,7 @@
 subcommand's ``--help``, and a misspelt policy (wall seconds of a fresh process, median of
 ``--rounds`` runs, the commands interleaved; ``python -c pass`` is the floor).
 
-    python benchmarks/bench_startup.py --rounds 5
+    python -m benchmarks.bench_startup --rounds 5
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and ``ada-snapkv:0.75`` in int4 (``--ratio`` sets 0.75). ``--dry-run`` runs the 
 CPU with tiny shapes, a memory budget of ``--budget-mib`` standing in for the card's memory (a
 run "fails" when its cache would hold more).
 
-    python benchmarks/gpu_capacity.py --context 32768 --out gpu_check_out
+    python -m benchmarks.gpu_capacity --context 32768 --out gpu_check_out
 """
 
 from __future__ import annotations

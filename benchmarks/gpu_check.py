@@ -26,17 +26,14 @@ import datetime
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.bench_cache import FULL, LIMIT, baseline_tokens, kvpatch_runs, measure_rounds
+from benchmarks.bench_prefill import ByteTokenizer
 from kvpatch.cache import cache_nbytes
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_cache import FULL, LIMIT, baseline_tokens, kvpatch_runs, measure_rounds
-from bench_prefill import ByteTokenizer
 
 POLICIES = ("snapkv", "ada-snapkv", "think:0.5+snapkv")
 SECTIONS = ("kernels", "decode", "memory", "prefill")

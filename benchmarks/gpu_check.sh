@@ -59,10 +59,10 @@ timeout "$test_limit" "$python" -m pytest "${tests[@]}" --device "$device" -q -p
 tail -n 30 "$out/tests.log"
 
 echo "== benchmark on $device"
-timeout "$bench_limit" "$python" benchmarks/gpu_check.py --device "$device" --out "$out" \
+timeout "$bench_limit" "$python" -m benchmarks.gpu_check --device "$device" --out "$out" \
     --commit "$commit" "${options[@]}" 2>&1 | tee "$out/bench.log" || status=1
 
 echo "== capacity on $device"
-timeout "$capacity_limit" "$python" benchmarks/gpu_capacity.py --device "$device" --out "$out" \
+timeout "$capacity_limit" "$python" -m benchmarks.gpu_capacity --device "$device" --out "$out" \
     "${capacity_options[@]}" 2>&1 | tee "$out/capacity.log" || status=1
 exit $status

@@ -6,7 +6,7 @@ virtualenv, with kvpatch installed there too (for the demo model and the task ge
     python -m venv /tmp/kvpress-env
     /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress==0.5.5
     /tmp/kvpress-env/bin/pip install -e ".[demo,eval]"
-    /tmp/kvpress-env/bin/python benchmarks/kvpress_needles.py
+    /tmp/kvpress-env/bin/python -m benchmarks.kvpress_needles
 
 The samples are those of ``python -m kvpatch.eval --samples 8 --seed 1`` (question in the prefill):
 the whole prompt is prefilled under the press, which compresses it after each layer's attention,
@@ -16,13 +16,10 @@ then the answer is decoded greedily, as kvpatch's harness does.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).parent))
 from kvpatch import demo
 from kvpatch.cache import cache_nbytes
 from kvpatch.eval import HFCodec, make_samples

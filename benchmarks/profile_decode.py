@@ -5,7 +5,7 @@ The model is bench_cache's random Llama; each policy prefills the same context, 
 and the step time next to a DynamicCache holding the full context and one holding the tokens the
 policy keeps (the physical limit).
 
-    python benchmarks/profile_decode.py --context 8192 --policies ada-snapkv:0.75
+    python -m benchmarks.profile_decode --context 8192 --policies ada-snapkv:0.75
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 from contextlib import nullcontext
 
 import torch
-from bench_cache import build_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import kvpatch
+from benchmarks.bench_cache import build_model
 from kvpatch import compat
 
 

@@ -177,16 +177,18 @@ def test_generate_prefills_in_chunks():
 
 @pytest.mark.slow
 def test_long_context_benchmark_runs(tmp_path):
-    """``benchmarks/bench_long_context.py`` on a short context: chunks hold less KV at most."""
+    """``python -m benchmarks.bench_long_context`` on a short context: chunks hold less KV
+    at most."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "bench_long_context.py"
+    root = Path(__file__).parents[1]
     out = tmp_path / "runs.json"
-    command = [sys.executable, str(script), "--contexts", "2048", "--chunk", "128"]
-    subprocess.run([*command, "--json", str(out), "--threads", "1"], check=True)
+    command = [sys.executable, "-m", "benchmarks.bench_long_context", "--contexts", "2048"]
+    command += ["--chunk", "128", "--json", str(out), "--threads", "1"]
+    subprocess.run(command, check=True, cwd=root)
     runs = {run["mode"]: run for run in json.loads(out.read_text())}
     assert runs["dynamic"]["most_kv_mb"] == runs["dynamic"]["full_kv_mb"]
     assert runs["chunked"]["cache_mb"] == pytest.approx(runs["oneshot"]["cache_mb"], rel=0.02)
