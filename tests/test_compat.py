@@ -335,3 +335,22 @@ def test_a_config_written_by_transformers_5_gives_its_rope_bases_on_every_line(
             if isinstance(value, torch.Tensor):
                 found.add(round(float(value[1]), 6))
     assert found == {round(base ** (-2 / 32), 6) for base in bases.values()}
+
+
+def test_a_tokenizer_naming_a_class_this_line_lacks_loads_as_a_fast_tokenizer(tmp_path):
+    """transformers 5 names its tokenizers' class ``TokenizersBackend``, which 4.x does not know:
+    such a class is read from ``tokenizer.json`` as a plain fast tokenizer, the same ids."""
+    import json
+
+    from kvpatch.testing import byte_tokenizer
+
+    saved = byte_tokenizer()
+    saved.save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "TokenizerOfAnotherLine"
+    config_path.write_text(json.dumps(config))
+    loaded = compat.load_tokenizer(tmp_path)
+    text = "Lease of 12 May: the tenant is Ada."
+    assert loaded(text).input_ids == saved(text).input_ids
+    assert loaded.eos_token == saved.eos_token

@@ -283,3 +283,23 @@ def read_rope_parameters(config) -> None:
     scaling = {key: value for key, value in full.items() if key != "rope_theta"}
     if scaling.get("rope_type", "default") != "default":
         config.rope_scaling = scaling
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in ``path``; one saved by another transformers line may name a class
+    this one lacks (5.x writes ``TokenizersBackend``, which 4.x does not know): its
+    ``tokenizer.json`` is then read as a plain fast tokenizer, the same token ids."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except ValueError as error:
+        if "does not exist or is not currently imported" not in str(error):
+            raise
+    said = logging.get_verbosity()
+    logging.set_verbosity_error()  # not a warning here: the class named is the one 4.x lacks
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    finally:
+        logging.set_verbosity(said)

@@ -181,7 +181,7 @@ def load_checkpoint(
 
     from kvpatch import compat
 
-    tokenizer = _load_tokenizer(path)
+    tokenizer = compat.load_tokenizer(path)  # written by another transformers line, too
     config = AutoConfig.from_pretrained(path)
     compat.read_rope_parameters(config)  # converted under transformers 5, loaded by 4.x
     model = AutoModelForCausalLM.from_pretrained(
@@ -190,26 +190,6 @@ def load_checkpoint(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def _load_tokenizer(path: Path):
-    """The checkpoint's tokenizer; one converted under another transformers line may name a
-    class this one lacks (5.x writes ``TokenizersBackend``, which 4.x does not know): its
-    ``tokenizer.json`` is then read as a plain fast tokenizer, the same token ids."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.utils import logging
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except ValueError as error:
-        if "does not exist or is not currently imported" not in str(error):
-            raise
-    said = logging.get_verbosity()
-    logging.set_verbosity_error()  # not a warning here: the class named is the one 4.x lacks
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    finally:
-        logging.set_verbosity(said)
 
 
 def load(
