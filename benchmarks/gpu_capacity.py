@@ -1,12 +1,12 @@
 """What fits on the card: the largest batch at a context that each cache holds, and its throughput.
 
-A Llama-3-8B-shaped random model (32 layers, bf16; 32 query heads sharing 8 KV heads of 128
-channels, hidden 4096, MLP 14336) prefills ``--context`` random tokens per row in chunks of
-``--chunk`` (so that the activations stay small beside the cache), then decodes ``--tokens``
-tokens greedily. For each configuration the batch doubles until a run fails for memory, then a
-binary search finds the largest that runs; the table gives that batch, its cache's bytes and
-the tokens per second decoded at it (all rows, the first token, which the prefill computes,
-apart), against the full cache's.
+A Llama-3-8B-shaped random model (:func:`benchmarks.gpu_check.llama3_8b_shaped`, all 32 layers,
+bf16) prefills ``--context`` random tokens per row in chunks of ``--chunk`` (so that the
+activations stay small beside the cache), then decodes ``--tokens`` tokens greedily. For each
+configuration the batch doubles until a run fails for memory, then a binary search finds the
+largest that runs; the table gives that batch, its cache's bytes and the tokens per second
+decoded at it (all rows, the first token, which the prefill computes, apart), against the full
+cache's.
 
 Configurations: the full ``DynamicCache``, ``ada-snapkv:0.75``, ``think:0.5+ada-snapkv:0.75``
 and ``ada-snapkv:0.75`` in int4 (``--ratio`` sets 0.75). ``--dry-run`` runs the same code on the
@@ -25,19 +25,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_check import llama3_8b_shaped
+
 FULL = "full"
-#: Llama-3-8B's shapes, all 32 layers
-SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    num_hidden_layers=32,
-    rope_theta=500000.0,
-)
-DRY_SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+#: Llama-3-8B's layers (a dry run: 2)
+LAYERS, DRY_LAYERS = 32, 2
 
 
 class OutOfBudget(RuntimeError):
@@ -56,19 +48,8 @@ def configurations(ratio: float) -> dict[str, dict]:
 
 
 def build_model(args) -> torch.nn.Module:
-    from kvpatch.testing import tiny_model
-
-    shape = DRY_SHAPE if args.dry_run else SHAPE
-    return tiny_model(
-        "llama",
-        "sdpa",
-        dtype=args.dtype,
-        device=args.device,
-        key_scale=4.0,
-        max_position_embeddings=args.context + args.tokens + 64,
-        pad_token_id=None,
-        **shape,
-    )
+    layers = DRY_LAYERS if args.dry_run else LAYERS
+    return llama3_8b_shaped(args, layers, args.context + args.tokens + 64)
 
 
 def run(model, settings: dict | None, batch: int, args) -> dict:

@@ -52,6 +52,12 @@ DRY_SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128)
 
 
 def build_model(args) -> torch.nn.Module:
+    return llama3_8b_shaped(args, args.layers, max(args.contexts) + 1024)
+
+
+def llama3_8b_shaped(args, layers: int, positions: int) -> torch.nn.Module:
+    """A random model of Llama-3-8B's shapes with ``layers`` layers (tiny ones for a dry run),
+    in ``args.dtype`` on ``args.device``."""
     from kvpatch.testing import tiny_model
 
     shape = DRY_SHAPE if args.dry_run else SHAPE
@@ -61,8 +67,8 @@ def build_model(args) -> torch.nn.Module:
         dtype=args.dtype,
         device=args.device,
         key_scale=4.0,
-        num_hidden_layers=args.layers,
-        max_position_embeddings=max(args.contexts) + 1024,
+        num_hidden_layers=layers,
+        max_position_embeddings=positions,
         pad_token_id=None,
         **shape,
     )
