@@ -11,7 +11,8 @@
   prefill chunk;
 - :mod:`~kvpatch.cache.replay_chunk` — a KVzip reconstruction chunk's masks and workspaces;
 - :mod:`~kvpatch.cache.hidden_scores` — every token's score from its hidden state (KVzap);
-- :mod:`~kvpatch.cache.views` — what the layer tells the attention function about its keys;
+- :mod:`~kvpatch.cache.requests` — what the layer asks of the attention function that reads its
+  keys (one typed request, posted with them);
 - :mod:`~kvpatch.cache.stats` — tokens and bytes held.
 """
 
