@@ -118,24 +118,10 @@ class _Operations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int, int]:
-    """(kernel calls, other operations) of one layer's packed attention at a decode step."""
-    model = make_model("llama") if kv_heads == 2 else _model_with(kv_heads)
-    ids = prompt(200, batch=batch)
-    cache = CompressedDynamicCache(config=model.config)
-    counter, kernel_calls, measured = _Operations(), [], []
-    real_kernel = varlen.KERNELS[DEVICE]
-
-    def kernel(*args, **kwargs):
-        kernel_calls.append(1)
-        counter.inside = True
-        try:
-            return real_kernel(*args, **kwargs)
-        finally:
-            counter.inside = False
-
-    monkeypatch.setitem(varlen.KERNELS, DEVICE, kernel)
-    real_attend = packed_attention.attend
+def _operations_of_first_step(model, batch: int, counter: _Operations, monkeypatch):
+    """The operations ``counter`` sees in the first layer step that packed attention serves,
+    decoding a token for ``batch`` rows with ``ada-snapkv:0.6``; and the cache."""
+    measured, real_attend = [], packed_attention.attend
 
     def attend(*args, **kwargs):
         if measured:  # one layer step is enough
@@ -147,10 +133,30 @@ def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int
 
     monkeypatch.setattr(packed_attention, "attend", attend)
     with kvpatch.enabled(model, "ada-snapkv:0.6"):
-        greedy_logits(model, ids, cache, 1)
-    assert cache.compressed_layers[0].store.packed.lengths.shape == (batch, kv_heads)
+        cache = CompressedDynamicCache(config=model.config)
+        greedy_logits(model, prompt(200, batch=batch), cache, 1)
     monkeypatch.setattr(packed_attention, "attend", real_attend)
-    return len(kernel_calls) // len(cache.compressed_layers), measured[0]
+    return measured[0], cache
+
+
+def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int, int]:
+    """(kernel calls, other operations) of one layer's packed attention at a decode step."""
+    model = make_model("llama") if kv_heads == 2 else _model_with(kv_heads)
+    counter, kernel_calls = _Operations(), []
+    real_kernel = varlen.KERNELS[DEVICE]
+
+    def kernel(*args, **kwargs):
+        kernel_calls.append(1)
+        counter.inside = True
+        try:
+            return real_kernel(*args, **kwargs)
+        finally:
+            counter.inside = False
+
+    monkeypatch.setitem(varlen.KERNELS, DEVICE, kernel)
+    operations, cache = _operations_of_first_step(model, batch, counter, monkeypatch)
+    assert cache.compressed_layers[0].store.packed.lengths.shape == (batch, kv_heads)
+    return len(kernel_calls) // len(cache.compressed_layers), operations
 
 
 def _model_with(kv_heads: int):
@@ -223,25 +229,10 @@ def as_on_an_accelerator(monkeypatch) -> None:
 
 def test_the_batched_reading_costs_as_many_operations_whatever_the_rows(monkeypatch):
     as_on_an_accelerator(monkeypatch)
-    counts = []
-    for batch in (1, 6):
-        model, measured = make_model("llama"), []
-        real = packed_attention.attend
-
-        def attend(*args, real=real, measured=measured, **kwargs):
-            if measured:
-                return real(*args, **kwargs)
-            with _Operations() as counter:
-                output = real(*args, **kwargs)
-            measured.append(counter.count)
-            return output
-
-        monkeypatch.setattr(packed_attention, "attend", attend)
-        with kvpatch.enabled(model, "ada-snapkv:0.6"):
-            cache = CompressedDynamicCache(config=model.config)
-            greedy_logits(model, prompt(200, batch=batch), cache, 1)
-        monkeypatch.setattr(packed_attention, "attend", real)
-        counts.append(measured[0])
+    counts = [
+        _operations_of_first_step(make_model("llama"), batch, _Operations(), monkeypatch)[0]
+        for batch in (1, 6)
+    ]
     assert counts[0] == counts[1]
 
 

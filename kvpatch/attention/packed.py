@@ -57,9 +57,8 @@ def serves(store: CompressedStore, query: torch.Tensor, kwargs: dict) -> bool:
     packed = store.packed
     if query.device.type not in DEVICES:
         return False
-    shared = isinstance(store, SharedContextStore)
-    one_call = not shared and varlen.kernel_for(query, packed) is not None
-    batched = not shared and query.device.type not in SEGMENT_DEVICES
+    one_call = varlen.kernel_for(query, packed) is not None  # a shared context's too
+    batched = not isinstance(store, SharedContextStore) and query.device.type not in SEGMENT_DEVICES
     return packed.is_uniform or one_call or batched or packed.lengths.numel() <= MAX_SEGMENTS
 
 
@@ -106,13 +105,13 @@ def attend(
     kernel = varlen.kernel_for(query, packed)
     if kernel is not None and not packed.is_uniform:
         try:
-            return _attend_in_one_call(store, grouped, tail_visible, query, kernel)
+            packed_part = varlen.packed_part(packed, grouped, kernel)
+            tail_scores = _tail_scores(grouped, tail_keys, tail_visible).float()
+            merged = varlen.merge([packed_part, _normalised(tail_scores, tail_values)], query.dtype)
+            return _ungrouped(merged, query)
         except RuntimeError as error:  # a kernel this GPU cannot run: never tried again
             varlen.refused(query.device.type, error)
-    tail_scores = grouped @ tail_keys.transpose(-1, -2)
-    if tail_visible is not None:
-        rows = grouped.shape[2]
-        tail_scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
+    tail_scores = _tail_scores(grouped, tail_keys, tail_visible)
     held = _held(packed, query.device)
     packed_scores = _packed_scores(packed, held, grouped)
     weights = _softmax(torch.cat([packed_scores, tail_scores], dim=-1), query.dtype)
@@ -122,18 +121,14 @@ def attend(
     return _ungrouped(output, query)
 
 
-def _attend_in_one_call(store, grouped, tail_visible, query, kernel) -> torch.Tensor:
-    """:func:`attend` with every head's packed tokens read by one call of the variable-length
-    ``kernel`` (:mod:`~kvpatch.attention.varlen`), merged with the tail's by log-sum-exp."""
-    tail_keys, tail_values = store.tail()
-    kv_heads = grouped.shape[1]
-    scores = (grouped @ tail_keys.transpose(-1, -2)).float()
-    if tail_visible is not None:
-        rows = grouped.shape[2]
-        scores.masked_fill_(~_per_kv_head(tail_visible, kv_heads, rows), float("-inf"))
-    packed = varlen.packed_part(store.packed, grouped, kernel)
-    tail = _normalised(scores, tail_values)
-    return _ungrouped(varlen.merge([packed, tail], query.dtype), query)
+def _tail_scores(grouped: torch.Tensor, keys: torch.Tensor, visible) -> torch.Tensor:
+    """Scores of the grouped queries ``[batch, kv_heads, rows, dim]`` against full-width
+    ``keys``, -inf where ``visible`` (per query head, or None: all) hides a token."""
+    scores = grouped @ keys.transpose(-1, -2)
+    if visible is not None:
+        kv_heads, rows = grouped.shape[1:3]
+        scores.masked_fill_(~_per_kv_head(visible, kv_heads, rows), float("-inf"))
+    return scores
 
 
 def _attend_shared_in_one_call(store, query, rows_visible, scaling, kernel) -> torch.Tensor:
@@ -145,9 +140,7 @@ def _attend_shared_in_one_call(store, query, rows_visible, scaling, kernel) -> t
     grouped = _grouped(query, scaling, kv_heads)  # [batch, kv_heads, rows, dim]
     rows = grouped.shape[2]
     together = grouped.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
-    own_scores = (grouped @ row_keys.transpose(-1, -2)).float()
-    if rows_visible is not None:
-        own_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
+    own_scores = _tail_scores(grouped, row_keys, rows_visible).float()
     # each row's own tail, laid out as the context's parts are: [1, kv_heads, batch * rows, ...]
     together_layout = lambda t: t.transpose(0, 1).reshape(1, kv_heads, batch * rows, *t.shape[3:])
     parts = [tuple(together_layout(t) for t in _normalised(own_scores, row_values))]
@@ -184,9 +177,7 @@ def _attend_shared(
     grouped = _grouped(query, scaling, kv_heads)  # [batch, kv_heads, rows, dim]
     rows = grouped.shape[2]
     together = grouped.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1)
-    row_scores = grouped @ row_keys.transpose(-1, -2)  # [batch, kv_heads, rows, row tail]
-    if rows_visible is not None:
-        row_scores.masked_fill_(~_per_kv_head(rows_visible, kv_heads, rows), float("-inf"))
+    row_scores = _tail_scores(grouped, row_keys, rows_visible)  # [batch, kv_heads, rows, tail]
     own = row_scores.transpose(0, 1).reshape(1, kv_heads, batch * rows, -1).float()
     parts = _context_parts(store.context, together)
     # one softmax per query over the context's parts and its own tail, each part exponentiated
