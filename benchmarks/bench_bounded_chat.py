@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--policy", default="keydiff:0.5")
     args = parser.parse_args()
-    from kvpatch import demo
+    from kvpatch.tools import demo
 
     model, tokenizer = demo.load(download=False)
     texts = turns(args.turns)

@@ -2,7 +2,7 @@
 
 For each context length, one random Llama-style model runs ``generate`` on the context once per
 configuration and round, into a fresh cache. The configurations' ``generate`` calls take turns,
-one decode step each (:func:`kvpatch.bench.take_turns`), so that the machine's drift hits them
+one decode step each (:func:`kvpatch.tools.bench.take_turns`), so that the machine's drift hits them
 alike, and a stopping criterion times each step where it happens. Two baselines run in the same
 rounds: the full ``DynamicCache``, and the *limit* of each ratio r (a ``DynamicCache`` holding
 ``(1 - r) * n`` tokens, which no cache keeping that share of the tokens can beat).
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kvpatch.bench import TurnClock, take_turns
 from kvpatch.cache import cache_nbytes
+from kvpatch.tools.bench import TurnClock, take_turns
 
 POLICIES = [
     "snapkv:0.75",
@@ -71,7 +71,7 @@ def set_threads(threads: int) -> None:
 def build_model(**fields):
     """An attention-bound random Llama: 8 layers, 8 query heads sharing 2 KV heads (``fields``
     change its config)."""
-    from kvpatch.testing import tiny_model
+    from kvpatch.tools.testing import tiny_model
 
     shape = dict(
         vocab_size=4096,

@@ -31,7 +31,7 @@ QUESTION_TOKENS = 20
 def load(name: str):
     if name == "bench":
         return build_model()
-    from kvpatch import demo
+    from kvpatch.tools import demo
 
     model, _ = demo.load(download=False)
     return model

@@ -72,11 +72,11 @@ class ByteTokenizer:
 
 
 def replay_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
-    """The forwards of KVzip's reconstruction of ``ids`` (:func:`kvpatch.replay.reconstruct`'s
+    """The forwards of KVzip's reconstruction of ``ids`` (:func:`kvpatch.feed.reconstruction.reconstruct`'s
     chunks, at the default chunk size and overlap), each through ``cache`` and cropped away."""
     from kvpatch import compat
+    from kvpatch.feed.reconstruction import RepeatPrompts, _chunk_batch
     from kvpatch.policies import KVzip
-    from kvpatch.replay import RepeatPrompts, _chunk_batch
 
     settings, prompts = KVzip(), RepeatPrompts(tokenizer, ids.device)
     length = ids.shape[1]
@@ -94,7 +94,7 @@ def load(name: str):
     """The model and the tokenizer KVzip's repeat prompt is written with."""
     if name == "bench":
         return build_model(), ByteTokenizer()
-    from kvpatch import demo
+    from kvpatch.tools import demo
 
     return demo.load(download=False)
 

@@ -15,11 +15,11 @@ import time
 
 COMMANDS = {
     "python -c pass": [sys.executable, "-c", "pass"],
-    "kvpatch --help": [sys.executable, "-m", "kvpatch.cli", "--help"],
-    "kvpatch ask --help": [sys.executable, "-m", "kvpatch.cli", "ask", "--help"],
-    "kvpatch eval --help": [sys.executable, "-m", "kvpatch.cli", "eval", "--help"],
+    "kvpatch --help": [sys.executable, "-m", "kvpatch.tools.cli", "--help"],
+    "kvpatch ask --help": [sys.executable, "-m", "kvpatch.tools.cli", "ask", "--help"],
+    "kvpatch eval --help": [sys.executable, "-m", "kvpatch.tools.cli", "eval", "--help"],
     "kvpatch generate x --policy snapvk": [
-        *(sys.executable, "-m", "kvpatch.cli", "generate", "x", "--policy", "snapvk"),
+        *(sys.executable, "-m", "kvpatch.tools.cli", "generate", "x", "--policy", "snapvk"),
     ],
 }
 

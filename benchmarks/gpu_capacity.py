@@ -58,7 +58,7 @@ def run(model, settings: dict | None, batch: int, args) -> dict:
     from transformers import DynamicCache
 
     import kvpatch
-    from kvpatch.terminal import TimedStream
+    from kvpatch.tools.terminal import TimedStream
 
     generator = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, 4096, (batch, args.context + 1), generator=generator).to(args.device)

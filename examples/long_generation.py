@@ -16,7 +16,7 @@ from transformers import StoppingCriteria, TextStreamer
 
 import kvpatch
 from kvpatch.chat import render
-from kvpatch.loading import load_model
+from kvpatch.tools.loading import load_model
 
 
 class ShowBytes(StoppingCriteria):

@@ -14,7 +14,7 @@ import argparse
 from transformers import pipeline
 
 import kvpatch  # noqa: F401  (registers "kvpatch-text-generation")
-from kvpatch.loading import load_model
+from kvpatch.tools.loading import load_model
 
 DOCUMENT = (
     "Minutes of the harbour committee. The new ferry, named Saltwind, enters service on 14 May. "

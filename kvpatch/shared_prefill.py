@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvpatch import compat, replay, scorer_maps
+from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
+from kvpatch.feed import reconstruction
 from kvpatch.patching import disable, enable, is_enabled
-from kvpatch.policies import LayerInputs, Plan, Policy, replay_needed
+from kvpatch.policies import LayerInputs, Plan, Policy, fitted_maps, replay_needed
 
 
 class _Recorder(Policy):
@@ -105,7 +106,7 @@ class SharedPrefill:
             cache = DynamicCache(config=model.config)
         else:
             cache = CompressedDynamicCache(config=model.config, policy=policy)
-            scorer_maps.prepare(model, cache.policy)
+            fitted_maps.prepare(model, cache.policy)
         length = length or self.input_ids.shape[1]
         self.reused_replay_s = 0.0
         deferred = policy is not None and cache.policy.needs_all_layers
@@ -139,13 +140,13 @@ class SharedPrefill:
         return cache
 
     def _replay(self, model, cache: CompressedDynamicCache, length: int, tokenizer) -> None:
-        scorer = replay.replay_scorer(cache.policy)
+        scorer = reconstruction.replay_scorer(cache.policy)
         key = (length, repr(dataclasses.replace(scorer, ratio=0.0)))  # every setting but ratio
         if key not in self.replays:
             ids = self.input_ids[:, :length]
             start = time.perf_counter()
-            prompts = replay.RepeatPrompts(tokenizer, ids.device)
-            replay.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
+            prompts = reconstruction.RepeatPrompts(tokenizer, ids.device)
+            reconstruction.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
             self.replay_seconds[key] = time.perf_counter() - start
             self.replays[key] = [layer.replay_attention for layer in cache.deferred_layers]
         else:

@@ -7,7 +7,7 @@ import torch
 import transformers
 from hypothesis import HealthCheck, settings
 
-from kvpatch.testing import random_prompt, tiny_model
+from kvpatch.tools.testing import random_prompt, tiny_model
 
 # property tests (tests/test_properties.py): a fixed set of examples by default, many more with
 # --hypothesis-profile=long
@@ -89,11 +89,10 @@ def _kvzap_maps(request, tmp_path_factory, monkeypatch):
     if request.node.get_closest_marker("real_kvzap_paths"):
         yield
         return
-    from kvpatch import scorer_maps
-    from kvpatch.policies import HiddenStateMap
+    from kvpatch.policies import HiddenStateMap, fitted_maps
 
     folder = tmp_path_factory.getbasetemp() / "kvzap-maps"
-    real = scorer_maps.default_path
+    real = fitted_maps.default_path
 
     def default_path_with_a_map(model):
         path = folder / real(model).name
@@ -105,10 +104,10 @@ def _kvzap_maps(request, tmp_path_factory, monkeypatch):
             hidden_map = HiddenStateMap(
                 "linear", weight, torch.zeros(layers, kv, device="cpu"), list(range(layers))
             )
-            scorer_maps.save_map(path, hidden_map, model, {"random": True})
+            fitted_maps.save_map(path, hidden_map, model, {"random": True})
         return path
 
-    monkeypatch.setattr(scorer_maps, "default_path", default_path_with_a_map)
+    monkeypatch.setattr(fitted_maps, "default_path", default_path_with_a_map)
     yield
 
 

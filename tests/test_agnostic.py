@@ -16,10 +16,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat, parse_policy
 from kvpatch.attention import replay as replay_attention
+from kvpatch.feed.reconstruction import RepeatPrompts, _turn_end, reconstruct
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
-from kvpatch.replay import RepeatPrompts, _turn_end, reconstruct
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 STEPS = 8
 

@@ -24,8 +24,8 @@ from transformers import (
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, attention, compat
-from kvpatch.eval import EvalConfig
-from kvpatch.testing import tiny_model
+from kvpatch.tools.eval import EvalConfig
+from kvpatch.tools.testing import tiny_model
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "bad-input.md"
 
@@ -197,7 +197,7 @@ def _tiny_checkpoint() -> str:
     if not _checkpoint:
         import tempfile
 
-        from kvpatch.testing import save_tiny_checkpoint
+        from kvpatch.tools.testing import save_tiny_checkpoint
 
         _checkpoint.append(save_tiny_checkpoint(tempfile.mkdtemp(prefix="kvpatch-bad-input-")))
     return _checkpoint[0]
@@ -230,7 +230,7 @@ def _chat(policy="knorm:0.5"):
 
 
 def _cli(*argv):
-    from kvpatch import cli
+    from kvpatch.tools import cli
 
     def run():
         assert cli.main(list(argv)) == 2

@@ -1,4 +1,4 @@
-"""Step-interleaved timing (kvpatch.bench.take_turns): the runs take turns one step at a time,
+"""Step-interleaved timing (kvpatch.tools.bench.take_turns): the runs take turns one step at a time,
 each step is timed alone, and an error in one run reaches the caller without stalling the rest."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpatch import bench
-from kvpatch.bench import take_turns
+from kvpatch.tools import bench
+from kvpatch.tools.bench import take_turns
 
 IDS = torch.zeros(1, 1, dtype=torch.long)
 

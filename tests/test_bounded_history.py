@@ -10,7 +10,7 @@ from conftest import make_model, prompt
 from helpers import generate
 
 import kvpatch
-from kvpatch.testing import random_prompt, save_tiny_checkpoint
+from kvpatch.tools.testing import random_prompt, save_tiny_checkpoint
 
 BUDGET = 100
 

@@ -11,7 +11,7 @@ import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.cache.packed import PackedKV
 from kvpatch.policies import Plan
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 
 def random_plan(batch=3, heads=2, tokens=20, dim=8, kept_channels=None, full_width_from=None):

@@ -12,9 +12,9 @@ import torch
 from conftest import unpatched_chat_reply
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvpatch import cli
-from kvpatch.terminal import TimedStream, prefill_bar
-from kvpatch.testing import save_tiny_checkpoint
+from kvpatch.tools import cli
+from kvpatch.tools.terminal import TimedStream, prefill_bar
+from kvpatch.tools.testing import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +249,7 @@ def test_eval_and_bench_subcommands(checkpoint, tmp_path, capsys):
 
 def test_the_console_script_is_declared():
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
-    assert scripts.get("kvpatch") == "kvpatch.cli:main"
+    assert scripts.get("kvpatch") == "kvpatch.tools.cli:main"
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
@@ -259,7 +259,7 @@ def test_the_prefill_bar_counts_the_prompt_and_closes_before_the_answer(chunk):
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model, ids = tiny_model(), random_prompt(50)
     seen_by_the_answer = []  # (prefill bar's count, closed) when the first new token is shown
@@ -288,8 +288,8 @@ def _options(parser):
     """Every (command, option) of a parser and its subcommands."""
     import argparse
 
-    from kvpatch.cli import bench, fit_scorer
-    from kvpatch.eval import cli as eval_cli
+    from kvpatch.tools.cli import bench, fit_scorer
+    from kvpatch.tools.eval import cli as eval_cli
 
     found = []
     for action in parser._actions:
@@ -311,7 +311,7 @@ def test_every_flag_says_what_it_does_and_its_default():
 
 
 def test_bench_takes_one_flag_per_setting():
-    from kvpatch.cli import bench
+    from kvpatch.tools.cli import bench
 
     flags = {a.option_strings[0] for a in bench.parser()._actions if a.option_strings}
     assert "--policy" not in flags and "--max-new-tokens" not in flags
@@ -410,9 +410,9 @@ def test_the_prefill_bar_moves_during_one_forward_and_shows_kvzips_second_pass()
     """One forward over the whole prompt advances the bar layer by layer; KVzip's reconstruction
     gets a bar of its own, after the prefill's reached the prompt's length."""
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
-    tokenizer = kvpatch.testing.byte_tokenizer()  # KVzip's prompt to repeat the context
+    tokenizer = kvpatch.tools.testing.byte_tokenizer()  # KVzip's prompt to repeat the context
     model, ids = tiny_model(vocab_size=len(tokenizer)), random_prompt(60, vocab=256)
     layers = list(model.get_decoder().layers)
     with kvpatch.enabled(model, "kvzip:0.5", tokenizer), prefill_bar(model, ids) as bars:
@@ -432,8 +432,8 @@ def test_the_prefill_bar_moves_during_one_forward_and_shows_kvzips_second_pass()
 
 
 def test_writing_training_text_says_how_far_it_got():
-    from kvpatch.testing import byte_tokenizer, tiny_model
-    from kvpatch.training_text import sample_texts
+    from kvpatch.tools.testing import byte_tokenizer, tiny_model
+    from kvpatch.tools.training_text import sample_texts
 
     tokenizer = byte_tokenizer()
     said: list[str] = []
@@ -461,7 +461,10 @@ def test_a_fresh_process_answers_from_a_file_of_any_policy(checkpoint, tmp_path,
     assert cli.main(ask) == 0
     here = capsys.readouterr().out
     done = subprocess.run(
-        [sys.executable, "-m", "kvpatch.cli", *ask], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvpatch.tools.cli", *ask],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == here

@@ -342,7 +342,7 @@ def test_a_tokenizer_naming_a_class_this_line_lacks_loads_as_a_fast_tokenizer(tm
     such a class is read from ``tokenizer.json`` as a plain fast tokenizer, the same ids."""
     import json
 
-    from kvpatch.testing import byte_tokenizer
+    from kvpatch.tools.testing import byte_tokenizer
 
     saved = byte_tokenizer()
     saved.save_pretrained(tmp_path)

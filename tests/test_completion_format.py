@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import kvpatch
-from kvpatch.eval import answering as answer_module
-from kvpatch.eval import cli as eval_cli
-from kvpatch.eval.codecs import PROMPT_FORMATS, ByteCodec, HFCodec
-from kvpatch.eval.config import EvalConfig, load_model
-from kvpatch.eval.run import run_eval
-from kvpatch.eval.tasks import INSTRUCTION, TASKS, make_context, make_sample
-from kvpatch.testing import SPECIAL_TOKENS, byte_tokenizer, tiny_model
+from kvpatch.tools.eval import answering as answer_module
+from kvpatch.tools.eval import cli as eval_cli
+from kvpatch.tools.eval.codecs import PROMPT_FORMATS, ByteCodec, HFCodec
+from kvpatch.tools.eval.config import EvalConfig, load_model
+from kvpatch.tools.eval.run import run_eval
+from kvpatch.tools.eval.tasks import INSTRUCTION, TASKS, make_context, make_sample
+from kvpatch.tools.testing import SPECIAL_TOKENS, byte_tokenizer, tiny_model
 
 
 def plain_tokenizer():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpatch import demo
+from kvpatch.tools import demo
 
 REAL_INSTALLED_GGUF = demo.installed_gguf
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpatch import demo, loading
-from kvpatch.eval.codecs import HFCodec
-from kvpatch.eval.tasks import make_sample
+from kvpatch.tools import demo, loading
+from kvpatch.tools.eval.codecs import HFCodec
+from kvpatch.tools.eval.tasks import make_sample
 
 GEMMA = demo.GEMMA3_270M
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]

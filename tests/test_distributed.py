@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import kvpatch
 from kvpatch import compat
-from kvpatch.testing import random_prompt, save_tiny_checkpoint
+from kvpatch.tools.testing import random_prompt, save_tiny_checkpoint
 
 WORKER = Path(__file__).parent / "tp_worker.py"
 

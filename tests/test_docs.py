@@ -3,8 +3,8 @@
 A page's snippets run in order in one namespace (a later snippet may use what an earlier one
 made), on a fresh tiny checkpoint with a real byte-level chat tokenizer. The names the pages use
 without defining them (``model``, ``tokenizer``, ``inputs``, ``document_ids``, ...) are built
-here; ``kvpatch.demo.load`` returns the tiny checkpoint. The one rewrite: ``cache=cache`` becomes
-``past_key_values=cache`` on a transformers older than 5.24, as the snippets' comments say.
+here; ``kvpatch.tools.demo.load`` returns the tiny checkpoint. The one rewrite: ``cache=cache``
+becomes ``past_key_values=cache`` on a transformers older than 5.24, as the snippets' comments say.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpatch import compat, demo
-from kvpatch.testing import save_tiny_checkpoint
+from kvpatch import compat
+from kvpatch.tools import demo
+from kvpatch.tools.testing import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -18,7 +18,7 @@ from transformers import (
 
 import kvpatch
 from kvpatch import DEFAULT_POLICY
-from kvpatch.testing import save_tiny_checkpoint
+from kvpatch.tools.testing import save_tiny_checkpoint
 
 CONTEXT = "The report says the code word is 'amber lake'. " + "Nothing else happens here. " * 12
 QUESTIONS = ["What is the code word?", "What happens here?"]

@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from kvpatch.eval import (
+from kvpatch.tools.eval import (
     TASKS,
     ByteCodec,
     EvalConfig,
@@ -20,8 +20,8 @@ from kvpatch.eval import (
     summarize,
     with_ratio,
 )
-from kvpatch.eval.cli import main
-from kvpatch.eval.scoring import wilson_interval
+from kvpatch.tools.eval.cli import main
+from kvpatch.tools.eval.scoring import wilson_interval
 
 
 def test_tasks_hide_their_answers_where_they_say():
@@ -272,7 +272,7 @@ def _answers(records: list[dict]) -> list[tuple]:
 def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
     tmp_path, monkeypatch, capsys
 ):
-    from kvpatch.eval import journal
+    from kvpatch.tools.eval import journal
 
     args = [
         "--model",

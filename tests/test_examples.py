@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpatch.testing import save_tiny_checkpoint
+from kvpatch.tools.testing import save_tiny_checkpoint
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpatch.fake_keys import fake_keys
-from kvpatch.testing import seeded
+from kvpatch.attention.fake_keys import fake_keys
+from kvpatch.tools.testing import seeded
 
 
 def random_case(n: int, dim: int = 64, batch: int = 2, heads: int = 3, seed: int = 0):

@@ -1,6 +1,6 @@
 """flash_attention_2 on a compressed cache, against the masking oracle.
 
-Every test runs twice: on the CPU with :mod:`kvpatch.flash_reference` standing in for flash-attn
+Every test runs twice: on the CPU with :mod:`flash_reference` standing in for flash-attn
 (always), and with the real kernels on a CUDA GPU where flash-attn is installed (skipped
 otherwise). Either way, transformers' own flash_attention_2 code runs: the 2-D padding mask, the
 unpadding to varlen, bottom-right causal alignment, and kvpatch's fake keys in short heads.
@@ -12,6 +12,7 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 
+import flash_reference
 import pytest
 import torch
 from conftest import make_model, prompt
@@ -20,7 +21,7 @@ from oracle import evictions_of, greedy_logits, oracle_logits
 from transformers import DynamicCache
 
 import kvpatch
-from kvpatch import CompressedDynamicCache, compat, flash_reference
+from kvpatch import CompressedDynamicCache, compat
 
 HAS_FLASH_GPU = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 

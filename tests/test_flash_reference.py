@@ -1,4 +1,4 @@
-"""kvpatch.flash_reference keeps flash-attn's documented semantics, checked against torch's sdpa
+"""flash_reference keeps flash-attn's documented semantics, checked against torch's sdpa
 with masks written out independently, and against flash-attn itself where a GPU has it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from flash_reference import flash_attn_func, flash_attn_varlen_func
 
-from kvpatch.flash_reference import flash_attn_func, flash_attn_varlen_func
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 
 def qkv(batch=2, sq=5, sk=9, heads=4, kv_heads=2, dim=16, seed=0, dtype=torch.float32):

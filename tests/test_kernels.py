@@ -41,7 +41,7 @@ def test_the_stock_sdpa_context_on_cuda_leaves_cudnn_out():
 @pytest.mark.parametrize("elements", [64, 4096])
 def test_a_reconstruction_scores_alike_whatever_its_tile(elements, monkeypatch):
     """KVzip's weights computed in tiles of the size the device allows: the same budgets."""
-    from kvpatch.testing import byte_tokenizer, tiny_model
+    from kvpatch.tools.testing import byte_tokenizer, tiny_model
 
     tokenizer = byte_tokenizer()
     ids = prompt(120) % 200 + 1

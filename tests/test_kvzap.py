@@ -15,9 +15,9 @@ import torch
 from oracle import evictions_of, greedy_logits, oracle_logits
 
 import kvpatch
-from kvpatch import fit_scorer, scorer_maps
-from kvpatch.policies import HiddenStateMap, KVzap
-from kvpatch.testing import tiny_model
+from kvpatch.policies import HiddenStateMap, KVzap, fitted_maps
+from kvpatch.tools import fitting
+from kvpatch.tools.testing import tiny_model
 
 SINKS = 4
 
@@ -244,7 +244,7 @@ def test_quantized_storage_and_saved_contexts_keep_the_scores(model, tmp_path):
     ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=g)
     turn = torch.randint(5, model.config.vocab_size, (20,), generator=g)
     map_path = tmp_path / "map.safetensors"
-    scorer_maps.save_map(map_path, random_map(model), model, {"test": True})
+    fitted_maps.save_map(map_path, random_map(model), model, {"test": True})
     policy = KVzap(ratio=0.5, path=str(map_path))
     with kvpatch.enabled(model, policy):
         context = kvpatch.prefill(model, ids, quantize="int8")
@@ -259,27 +259,27 @@ def test_quantized_storage_and_saved_contexts_keep_the_scores(model, tmp_path):
 def test_map_files_round_trip_and_refuse_what_is_not_theirs(model, tmp_path):
     path = tmp_path / "map.safetensors"
     original = random_map(model, kind="mlp")
-    scorer_maps.save_map(path, original, model, {"mean_r2": 0.5})
-    loaded = scorer_maps.load_map(path, model)
+    fitted_maps.save_map(path, original, model, {"mean_r2": 0.5})
+    loaded = fitted_maps.load_map(path, model)
     for name, tensor in original.tensors().items():
         assert torch.equal(loaded.tensors()[name], tensor)
     # the same weights in bfloat16 are the same model
-    scorer_maps.load_map(path, tiny_model(key_scale=4.0).to(torch.bfloat16))
+    fitted_maps.load_map(path, tiny_model(key_scale=4.0).to(torch.bfloat16))
     with pytest.raises(ValueError, match="other weights"):
-        scorer_maps.load_map(path, tiny_model(seed=7, key_scale=4.0))
+        fitted_maps.load_map(path, tiny_model(seed=7, key_scale=4.0))
     with pytest.raises(ValueError, match=r"config differs in .*num_hidden_layers"):
-        scorer_maps.load_map(path, tiny_model(num_hidden_layers=3))
+        fitted_maps.load_map(path, tiny_model(num_hidden_layers=3))
     data = path.read_bytes()
     (tmp_path / "short.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="not a readable kvzap map"):
-        scorer_maps.load_map(tmp_path / "short.safetensors", model)
+        fitted_maps.load_map(tmp_path / "short.safetensors", model)
     flipped = bytearray(data)
     flipped[-3] ^= 0xFF
     (tmp_path / "flipped.safetensors").write_bytes(bytes(flipped))
     with pytest.raises(ValueError, match="damaged"):
-        scorer_maps.load_map(tmp_path / "flipped.safetensors", model)
+        fitted_maps.load_map(tmp_path / "flipped.safetensors", model)
     with pytest.raises(ValueError, match="kvpatch fit-scorer"):
-        scorer_maps.load_map(tmp_path / "none.safetensors", model)
+        fitted_maps.load_map(tmp_path / "none.safetensors", model)
 
 
 @pytest.mark.real_kvzap_paths
@@ -293,7 +293,7 @@ def test_a_kvzap_policy_without_a_fitted_map_names_the_command(model, tmp_path, 
 @pytest.mark.real_kvzap_paths
 def test_the_default_path_is_where_kvzap_looks(model, tmp_path, monkeypatch):
     monkeypatch.setenv("KVPATCH_CACHE", str(tmp_path))
-    scorer_maps.save_map(scorer_maps.default_path(model), random_map(model), model, {})
+    fitted_maps.save_map(fitted_maps.default_path(model), random_map(model), model, {})
     ids = torch.randint(5, model.config.vocab_size, (1, 30), generator=torch.Generator())
     with kvpatch.enabled(model, "kvzap:0.5"):
         context = kvpatch.prefill(model, ids)
@@ -307,15 +307,15 @@ def test_ridge_fitting_recovers_a_planted_linear_relation(model, monkeypatch):
     g = torch.Generator().manual_seed(6)
     planted_w = torch.randn(config.hidden_size, config.num_key_value_heads, generator=g)
     planted_b = torch.randn(config.num_key_value_heads, generator=g)
-    real = fit_scorer.features_and_targets
+    real = fitting.features_and_targets
 
     def planted(model_, tokenizer, document, scorer=None):
         layers, xs, _ = real(model_, tokenizer, document, scorer)
         return layers, xs, [x.double() @ planted_w.double() + planted_b.double() for x in xs]
 
-    monkeypatch.setattr(fit_scorer, "features_and_targets", planted)
+    monkeypatch.setattr(fitting, "features_and_targets", planted)
     texts = [f"document {i}" for i in range(5)]
-    hidden_map, report = fit_scorer.fit_kvzap(model, ByteTokenizer(), texts, held_out=1)
+    hidden_map, report = fitting.fit_kvzap(model, ByteTokenizer(), texts, held_out=1)
     assert report["mean_r2"] > 0.9999
     for row in range(len(hidden_map.layers)):
         torch.testing.assert_close(hidden_map.weight[row], planted_w, atol=2e-3, rtol=1e-3)

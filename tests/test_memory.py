@@ -85,7 +85,7 @@ def test_sliding_layers_hold_only_their_window_after_the_prefill():
     from transformers import DynamicCache
 
     from kvpatch.cache.stats import layer_stats
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model, ids = tiny_model("gemma3"), random_prompt(400)
     window = model.config.sliding_window

@@ -9,9 +9,9 @@ import pytest
 from transformers import DynamicCache
 
 import kvpatch
-from kvpatch import cli
 from kvpatch.cache.stats import CacheStats, layer_stats
-from kvpatch.testing import random_prompt, save_tiny_checkpoint, tiny_model
+from kvpatch.tools import cli
+from kvpatch.tools.testing import random_prompt, save_tiny_checkpoint, tiny_model
 
 #: Gemma 3's pattern (five sliding layers, then one full), cut short
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2

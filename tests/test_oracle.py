@@ -9,7 +9,7 @@ from helpers import STEPS, compressed_run
 from oracle import evictions_of, greedy_logits, oracle_logits
 
 from kvpatch.attention import packed as packed_attention
-from kvpatch.testing import tiny_model
+from kvpatch.tools.testing import tiny_model
 
 ORACLE_POLICIES = [
     "knorm:0.5",

@@ -23,7 +23,7 @@ from kvpatch.policies import (
     StreamingLLM,
     ThinK,
 )
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV

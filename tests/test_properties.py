@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import compat
-from kvpatch.eval import ByteCodec
 from kvpatch.policies import replay_needed
-from kvpatch.testing import random_prompt, tiny_model
+from kvpatch.tools.eval import ByteCodec
+from kvpatch.tools.testing import random_prompt, tiny_model
 
 pytestmark = pytest.mark.properties
 

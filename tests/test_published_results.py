@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpatch.eval.cli import parser
-from kvpatch.eval.config import EvalConfig
+from kvpatch.tools.eval.cli import parser
+from kvpatch.tools.eval.config import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|console)\n(.*?)^```", re.S | re.M)
-INLINE = re.compile(r"`((?:python -m kvpatch\.eval|kvpatch eval) [^`]*)`")
-PREFIXES = (["python", "-m", "kvpatch.eval"], ["kvpatch", "eval"])
+INLINE = re.compile(r"`((?:python -m kvpatch\.tools\.eval|kvpatch eval) [^`]*)`")
+PREFIXES = (["python", "-m", "kvpatch.tools.eval"], ["kvpatch", "eval"])
 #: settings that decide a result (the rest: where it is written, progress, plots)
 SETTINGS = (
     "context_tokens",
@@ -123,11 +123,11 @@ RERUNS = [
 def test_a_published_result_reproduces(output, policies, model, tmp_path):
     """Its command, on the first context of each task and one ratio, gives the stored answers
     word for word (the same seed and samples; a run on another CPU may round differently)."""
-    from kvpatch import demo
-    from kvpatch.eval.run import run_eval
+    from kvpatch.tools import demo
+    from kvpatch.tools.eval.run import run_eval
 
     if not demo.is_cached(model=model):
-        pytest.skip(f"{model} is not cached: python -m kvpatch.demo --model {model}")
+        pytest.skip(f"{model} is not cached: python -m kvpatch.tools.demo --model {model}")
     stored = json.loads((ROOT / output / "results.json").read_text())
     made_with = {k: v for k, v in stored["config"].items() if k in EvalConfig.__dataclass_fields__}
     rerun_with = dict(policies=policies, ratios=[0.75], samples=1, output=str(tmp_path))

@@ -12,7 +12,7 @@ from oracle import evictions_of, greedy_logits, oracle_logits
 import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.policies.pyramid import pyramid_weights
-from kvpatch.testing import tiny_model
+from kvpatch.tools.testing import tiny_model
 
 
 @pytest.mark.parametrize("layers, beta", [(2, 20.0), (4, 20.0), (7, 5.0), (32, 20.0)])

@@ -14,7 +14,7 @@ from oracle import greedy_logits
 import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.cache.quantized import quantize_per_channel, quantize_per_token
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 
 def reference_decode(x: torch.Tensor, bits: int) -> torch.Tensor:

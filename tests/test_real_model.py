@@ -2,7 +2,7 @@
 
 Marked ``slow`` (deselected by default; run with ``python -m pytest -m slow``; ``.ci/run`` runs
 them when the model is cached) and skipped unless the demo model is cached
-(``python -m kvpatch.demo`` fetches and converts it).
+(``python -m kvpatch.tools.demo`` fetches and converts it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import pytest
 
 import kvpatch
-from kvpatch import demo
+from kvpatch.tools import demo
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,15 @@ SAMPLES = 3  # needles at different depths of 1,000 tokens
 @pytest.fixture(scope="module")
 def real_model():
     if not demo.is_cached():
-        pytest.skip(f"the demo model is not cached in {demo.cache_dir()}: python -m kvpatch.demo")
+        pytest.skip(
+            f"the demo model is not cached in {demo.cache_dir()}: python -m kvpatch.tools.demo"
+        )
     return demo.load(download=False)
 
 
 @pytest.fixture(scope="module")
 def needles(real_model):
-    from kvpatch.eval import HFCodec, make_sample
+    from kvpatch.tools.eval import HFCodec, make_sample
 
     codec = HFCodec(real_model[1])
     rng = random.Random(0)
@@ -37,7 +39,7 @@ def needles(real_model):
 
 
 def answers(model, samples, policy):
-    from kvpatch.eval import answer
+    from kvpatch.tools.eval import answer
 
     if policy is None:
         return [answer(model, sample, None, "prefill", 12)["tokens"] for sample in samples]
@@ -67,7 +69,7 @@ def test_snapkv_finds_the_needle(real_model, needles):
 def test_needle_survives_question_agnostic_kvzip(real_model, needles, policy):
     """The context compressed before the question is seen (``kvpatch.prefill``), KVzip's
     reconstruction deciding what stays, still answers every needle exactly."""
-    from kvpatch.eval import answer
+    from kvpatch.tools.eval import answer
 
     model, tokenizer = real_model
     codec, samples = needles
@@ -112,7 +114,7 @@ def unpatched_replies(model, tokenizer, turns: list[str], new_tokens: int) -> li
 def run_kvpatch_chat(monkeypatch, capsys, turns: list[str], new_tokens: int) -> list[str]:
     import io
 
-    from kvpatch import cli
+    from kvpatch.tools import cli
 
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([*turns, "/stats", "/quit"]) + "\n"))
     assert cli.main(["chat", "--max-new-tokens", str(new_tokens)]) == 0
@@ -160,7 +162,7 @@ def test_compress_then_ask_on_the_demo_model(real_model, tmp_path, capsys):
     document answers several questions as the same document compressed in memory does."""
     from transformers import pipeline
 
-    from kvpatch import cli
+    from kvpatch.tools import cli
 
     model, tokenizer = real_model
     facts = [

@@ -16,7 +16,7 @@ from oracle import greedy_logits
 
 import kvpatch
 from kvpatch import saving
-from kvpatch.testing import tiny_model
+from kvpatch.tools.testing import tiny_model
 
 ROUND_TRIPS = [
     ("llama", "snapkv:0.5", None),  # uniform heads, stored dense

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import kvpatch
 from kvpatch import compat
 from kvpatch.cache import CompressedLayer
-from kvpatch.testing import byte_tokenizer, random_prompt, tiny_model
+from kvpatch.tools.testing import byte_tokenizer, random_prompt, tiny_model
 
 #: Gemma 3's pattern (sliding layers, then a full one), cut short; 1 KV head as in Gemma 3 270M
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2

@@ -12,9 +12,9 @@ from conftest import make_model, prompt
 from helpers import ByteTokenizer, left_padded
 
 import kvpatch
+from kvpatch.feed.reconstruction import system_prefix_length
 from kvpatch.policies import SnapKV
-from kvpatch.replay import system_prefix_length
-from kvpatch.testing import byte_tokenizer, tiny_model
+from kvpatch.tools.testing import byte_tokenizer, tiny_model
 
 TOKEN_POLICIES = [
     "snapkv:0.5",
@@ -93,7 +93,9 @@ def test_system_prefix_is_found_in_rendered_contexts_only():
     tokenizer = byte_tokenizer()
     preamble = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
     expected = len(tokenizer(preamble, add_special_tokens=False)["input_ids"])
-    template = "<|im_start|>system\nYou are terse.<|im_end|>\n" + kvpatch.testing.CHAT_TEMPLATE
+    template = (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n" + kvpatch.tools.testing.CHAT_TEMPLATE
+    )
     tokenizer.chat_template = template
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "The code is 4711."}], tokenize=False
@@ -113,7 +115,7 @@ def test_prefill_keeps_the_template_preamble(policy):
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = (
         "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
-        + kvpatch.testing.CHAT_TEMPLATE
+        + kvpatch.tools.testing.CHAT_TEMPLATE
     )
     document = "Lease of 12 May: the tenant is Ada, the rent 930 a month. " * 4
     rendered = tokenizer.apply_chat_template(
@@ -133,7 +135,7 @@ def test_prefill_keeps_the_template_preamble(policy):
 def rendered_document(tokenizer, document: str) -> torch.Tensor:
     tokenizer.chat_template = (
         "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
-        + kvpatch.testing.CHAT_TEMPLATE
+        + kvpatch.tools.testing.CHAT_TEMPLATE
     )
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": document}], tokenize=False

@@ -10,7 +10,7 @@ import torch
 import kvpatch
 from kvpatch.policies import TOVA, AdaKV, LayerInputs, SnapKV, Spans, SpanSnapKV, SpanTOVA
 from kvpatch.policies.spans import spread_scores
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 
 def reference_spread(scores, valid, after, before):

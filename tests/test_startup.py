@@ -42,7 +42,7 @@ def run_python(code: str) -> str:
 )
 def test_help_and_errors_import_neither_torch_nor_transformers(argv, status):
     code = (
-        "import sys\nfrom kvpatch.cli import main\n"
+        "import sys\nfrom kvpatch.tools.cli import main\n"
         f"try:\n    code = main({argv!r})\nexcept SystemExit as stop:\n    code = stop.code\n"
         f"print(code, [m for m in {HEAVY!r} if m in sys.modules])"
     )
@@ -50,7 +50,7 @@ def test_help_and_errors_import_neither_torch_nor_transformers(argv, status):
 
 
 def test_a_misspelt_policy_names_the_close_matches_then_the_names_line_by_line(capsys):
-    from kvpatch.cli import main
+    from kvpatch.tools.cli import main
 
     assert main(["generate", "hello", "--policy", "ada-snapvk:0.5"]) == 2
     lines = capsys.readouterr().err.splitlines()
@@ -75,7 +75,7 @@ def test_the_pipeline_is_registered_whichever_is_imported_first():
     assert run_python(f"import kvpatch\n{check}") == "True"
 
 
-LAZY_PACKAGES = ("kvpatch", "kvpatch.policies", "kvpatch.eval")
+LAZY_PACKAGES = ("kvpatch", "kvpatch.policies", "kvpatch.tools.eval")
 
 
 def _type_checking_imports(package: str) -> dict[str, tuple[str, ...]]:

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 import kvpatch
 from kvpatch import CompressedDynamicCache
 from kvpatch.policies import AdaKV, Composed, LayerInputs, SnapKV, ThinK, ThinKValues
-from kvpatch.testing import seeded
+from kvpatch.tools.testing import seeded
 
 B, HQ, HKV, D, DV = 2, 4, 2, 16, 12
 G = HQ // HKV

@@ -19,7 +19,7 @@ def test_importing_inside_a_meta_device_context_leaves_generate_working():
         import torch
         with torch.device("meta"):
             import kvpatch
-        from kvpatch.testing import random_prompt, tiny_model
+        from kvpatch.tools.testing import random_prompt, tiny_model
         model = tiny_model()
         ids = random_prompt(200)
         expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -42,7 +42,7 @@ def test_a_cache_implementation_on_the_generation_config_is_used_without_a_polic
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model()
     model.generation_config.cache_implementation = "static"
@@ -56,7 +56,7 @@ def test_a_cache_implementation_on_the_generation_config_is_used_without_a_polic
 def _padded(kind: str):
     import torch
 
-    from kvpatch.testing import random_prompt
+    from kvpatch.tools.testing import random_prompt
 
     ids = random_prompt(100, batch=2)
     mask = torch.ones_like(ids)
@@ -88,7 +88,7 @@ def test_decode_attention_weights_are_laid_out_as_stock(padding):
     import torch
 
     import kvpatch
-    from kvpatch.testing import tiny_model
+    from kvpatch.tools.testing import tiny_model
 
     model = tiny_model(attn_implementation="eager", key_scale=4.0)
     ids, mask = _padded(padding)
@@ -122,7 +122,7 @@ def test_the_model_config_stays_the_stock_one():
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model(attn_implementation="eager", key_scale=4.0)
     ids = random_prompt(120)
@@ -167,7 +167,7 @@ ASSISTANTS = {
 
 
 def _draft():
-    from kvpatch.testing import tiny_model
+    from kvpatch.tools.testing import tiny_model
 
     return tiny_model(seed=5, key_scale=4.0)
 
@@ -182,7 +182,7 @@ def test_assisted_decoding_at_every_prompt_length(assistant, length):
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model(key_scale=4.0)
     half = random_prompt(length // 2 + 1, seed=3)
@@ -235,7 +235,7 @@ def test_a_dynamic_cache_implementation_gets_the_compressed_cache(name, where):
 
     import kvpatch
     from kvpatch.cache import CompressedLayer
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model("gemma2", "eager", key_scale=4.0)
     ids = random_prompt(200)
@@ -268,7 +268,7 @@ def test_a_layers_keys_at_ratio_0_are_a_dynamic_caches(policy):
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model(key_scale=4.0)
     ids = random_prompt(90, batch=2)
@@ -290,7 +290,7 @@ def test_a_compressed_layers_keys_are_what_it_holds_and_never_read_while_decodin
 
     import kvpatch
     from kvpatch.cache import held_tensors
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model(key_scale=4.0)
     ids = random_prompt(200, batch=2)
@@ -336,7 +336,7 @@ def test_assisted_decoding_with_an_enabled_draft_model(draft_policy, length):
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model, draft = tiny_model(key_scale=4.0), tiny_model(seed=5, key_scale=4.0)
     for assistant in (model, draft):  # two candidates a round, as transformers' tests ask
@@ -356,7 +356,7 @@ def test_a_crop_into_the_compressed_part_keeps_what_each_head_held_before_the_ne
     import torch
 
     import kvpatch
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model = tiny_model(key_scale=4.0)
     with kvpatch.enabled(model, policy):
@@ -381,13 +381,13 @@ def test_kvzip_at_ratio_0_reconstructs_nothing(policy, monkeypatch):
     import torch
 
     import kvpatch
-    from kvpatch import replay
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.feed import reconstruction
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     def no_reconstruction(*args, **kwargs):
         raise AssertionError("reconstructed at ratio 0")
 
-    monkeypatch.setattr(replay, "reconstruct", no_reconstruction)
+    monkeypatch.setattr(reconstruction, "reconstruct", no_reconstruction)
     model, ids = tiny_model(key_scale=4.0), random_prompt(60)
     embeds = model.get_input_embeddings()(ids)
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True)
@@ -417,7 +417,7 @@ def test_a_crop_right_after_a_prefill_that_waits_for_every_layer(policy):
 
     import kvpatch
     from kvpatch import compat
-    from kvpatch.testing import random_prompt, tiny_model
+    from kvpatch.tools.testing import random_prompt, tiny_model
 
     model, ids = tiny_model(key_scale=4.0), random_prompt(40)
     argument = compat.cache_argument(model)

@@ -160,7 +160,7 @@ def _operations_of_one_step(batch: int, kv_heads: int, monkeypatch) -> tuple[int
 
 
 def _model_with(kv_heads: int):
-    from kvpatch.testing import tiny_model
+    from kvpatch.tools.testing import tiny_model
 
     return tiny_model(
         "llama", key_scale=4.0, num_attention_heads=kv_heads * 2, num_key_value_heads=kv_heads

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvpatch import compat, hidden_states
-from kvpatch.attention import packed, replay
+from kvpatch import compat
+from kvpatch.attention import hidden_states, packed, replay
 from kvpatch.attention.kernels import stock_kernels
 from kvpatch.attention.modules import bind_policy, scaling, unbind_policy
 from kvpatch.attention.padded import attend_padded, logical_weights

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from kvpatch.attention.fake_keys import fake_keys
 from kvpatch.attention.masks import physical_mask, physical_padding_mask
 from kvpatch.attention.modules import scaling
 from kvpatch.attention.reference import reference_attention
 from kvpatch.cache import PaddedRequest
-from kvpatch.fake_keys import fake_keys
 
 
 def attend_padded(

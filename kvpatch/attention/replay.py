@@ -1,4 +1,4 @@
-"""Attention of a KVzip reconstruction chunk (:mod:`kvpatch.replay`), which needs its weights: each
+"""Attention of a KVzip reconstruction chunk (:mod:`kvpatch.feed.reconstruction`), which needs its weights: each
 layer records, per scored token and KV head, the largest weight any query of the head's GQA group
 gives it.
 

@@ -1,4 +1,4 @@
-"""A reconstruction chunk in progress (:mod:`kvpatch.replay`): its tokens are attended over what a
+"""A reconstruction chunk in progress (:mod:`kvpatch.feed.reconstruction`): its tokens are attended over what a
 layer holds, and forgotten afterwards. Shared by every layer of the chunk, it holds the masks and
 workspaces they all use."""
 

@@ -60,7 +60,7 @@ class Policy(ABC):
     @property
     def needs_replay(self) -> bool:
         """Whether the scores come from a context reconstruction (KVzip): the cache then holds
-        the whole prefill until :mod:`kvpatch.replay` has run it."""
+        the whole prefill until :mod:`kvpatch.feed.reconstruction` has run it."""
         return False
 
     @property

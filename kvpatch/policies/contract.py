@@ -63,7 +63,7 @@ class LayerInputs:
     query_positions : long Tensor ``[batch, n_queries]``, the position ids of the queries
         (every real token counted from 0); None at prefill, where they follow from ``valid``.
     replay_attention : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token got
-        from the queries of a context reconstruction (:mod:`kvpatch.replay`), when the policy
+        from the queries of a context reconstruction (:mod:`kvpatch.feed.reconstruction`), when the policy
         asked for one.
     sink_tokens : leading real tokens the context itself asks to keep (a chat template's system
         prefix), on top of the policy's own ``n_sink``.

@@ -6,7 +6,7 @@ a second pass over the context and exists only for a whole prefill. KVzap fits, 
 a small map from each token's hidden state (the attention's input, after the layer's input norm)
 to the log of that score for each KV head, then scores any token from its hidden state alone:
 in a prefill, in every chunk of a chunked one, in a turn appended later and while decoding.
-``kvpatch fit-scorer`` fits the map (:mod:`kvpatch.fit_scorer`).
+``kvpatch fit-scorer`` fits the map (:mod:`kvpatch.tools.fitting`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ NORMALISATIONS = ("chunk", "context")
 class KVzip(TokenScorer):
     """Score each token by the largest attention it gets while the model repeats the context.
 
-    After the context's prefill, :mod:`kvpatch.replay` feeds the model a repeat request and the
+    After the context's prefill, :mod:`kvpatch.feed.reconstruction` feeds the model a repeat request and the
     context again, teacher-forced, through the uncompressed cache, ``chunk_size`` context tokens
     at a time. A (KV head, token) pair scores the largest attention weight any reconstruction
     query of its GQA group gives it. Tokens a model needs to reproduce its context are the tokens

@@ -1,3 +1,0 @@
-from kvpatch.cli import main
-
-raise SystemExit(main())

@@ -1,3 +1,0 @@
-from kvpatch.eval.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""The files of fitted KVzap maps: written by ``kvpatch fit-scorer``, read when a ``kvzap`` policy
+meets its model.
+
+A file is safetensors: the map's tensors (:class:`~kvpatch.policies.HiddenStateMap`) and a JSON
+header with the format version, the map's kind and layers, the fit's report, the model's identity
+(its config and a SHA-256 of its weights as bfloat16, so that one file serves the model in any
+dtype) and a SHA-256 of the header and the tensors. A file is refused, with the reason, for
+another model, when damaged or truncated, or when written by a newer format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+
+from kvpatch.paths import cache_dir
+from kvpatch.policies import HiddenStateMap, Policy, hidden_state_scorer
+
+FORMAT = "kvpatch-kvzap"
+FORMAT_VERSION = 1
+#: config entries that say how a model was loaded or what a call returns, not what it computes
+_CONFIG_NOISE = {
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
+
+_identities: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def computed_config(model: torch.nn.Module) -> dict:
+    """The entries of ``model``'s config that say what it computes (not where or how it was
+    loaded, nor what a call returns; private entries left out), as JSON values."""
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in _CONFIG_NOISE and not k.startswith("_")
+    }
+    return json.loads(json.dumps(config, sort_keys=True, default=str))
+
+
+def identity(model: torch.nn.Module) -> dict:
+    """The model's config (without load paths and call flags) and a SHA-256 of its weights as
+    bfloat16; computed once per model object (about a second per 500 MB of weights)."""
+    found = _identities.get(model)
+    if found is not None:
+        return found
+    weights = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        weights.update(name.encode())
+        data = parameter.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+        weights.update(data.numpy().tobytes())
+    found = {"config": computed_config(model), "weights": weights.hexdigest()}
+    _identities[model] = found
+    return found
+
+
+def model_key(model: torch.nn.Module) -> str:
+    """A short hex name of :func:`identity`, for file names."""
+    return hashlib.sha256(json.dumps(identity(model), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_path(model: torch.nn.Module) -> Path:
+    """Where ``fit-scorer`` writes the model's map, and where ``kvzap`` looks for it."""
+    kind = getattr(model.config, "model_type", "model")
+    return cache_dir() / "scorers" / f"kvzap-{kind}-{model_key(model)}.safetensors"
+
+
+def save_map(
+    path: str | os.PathLike, hidden_map: HiddenStateMap, model: torch.nn.Module, report: dict
+) -> Path:
+    """Write ``hidden_map`` (fitted on ``model``, ``report`` its fit) to ``path``, replaced
+    whole: a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in hidden_map.tensors().items()}
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kvpatch_version": getattr(sys.modules.get("kvpatch"), "__version__", "unknown"),
+        "kind": hidden_map.kind,
+        "layers": hidden_map.layers,
+        "model": identity(model),
+        "fit": report,
+    }
+    header["checksum"] = _checksum(header, tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={"format": FORMAT, "header": json.dumps(header)})
+    partial.replace(path)
+    return path
+
+
+def load_map(path: str | os.PathLike, model: torch.nn.Module) -> HiddenStateMap:
+    """The map in ``path``, checked against ``model`` and against its own checksum."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"no fitted kvzap map at {path}: fit one for this model first with\n"
+            "    kvpatch fit-scorer --model MODEL   (or kvpatch.tools.fitting.fit_kvzap)\n"
+            "or give its file as KVzap(path=...) / 'kvzap/path=FILE'"
+        )
+    header = _read_header(path)
+    _check_model(header, model, path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    if _checksum(header, tensors) != header.get("checksum"):
+        raise ValueError(
+            f"{path} is damaged: its tensors do not match the checksum it was saved with"
+        )
+    device = next(model.parameters()).device
+    tensors = {name: t.to(device) for name, t in tensors.items()}
+    return HiddenStateMap(header["kind"], layers=list(header["layers"]), **tensors)
+
+
+def prepare(model: torch.nn.Module, policy: Policy | None) -> None:
+    """Give the ``kvzap`` scorer inside ``policy`` (if any) its map for ``model``: from its
+    ``path``, else from the model's :func:`default_path`; kept while the model stays the same."""
+    scorer = hidden_state_scorer(policy)
+    if scorer is None:
+        return
+    if scorer.map is not None and scorer.model_key is None:
+        return  # a map given by hand (KVzap.use_map): the caller vouches for it
+    key = model_key(model)
+    if scorer.map is not None and scorer.model_key == key:
+        return
+    path = Path(scorer.path).expanduser() if scorer.path else default_path(model)
+    scorer.use_map(load_map(path, model), key)
+
+
+def _read_header(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as error:  # truncated, or not safetensors at all
+        raise ValueError(f"{path} is not a readable kvzap map file ({error})") from None
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a kvzap map written by kvpatch fit-scorer")
+    try:
+        header = json.loads(metadata["header"])
+    except (KeyError, json.JSONDecodeError):
+        raise ValueError(f"{path} is damaged: its header cannot be read") from None
+    version = header.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format version {version!r}; this kvpatch reads up to {FORMAT_VERSION}: "
+            "upgrade kvpatch or fit the map again"
+        )
+    return header
+
+
+def _check_model(header: dict, model: torch.nn.Module, path: Path) -> None:
+    saved, current = header.get("model", {}), identity(model)
+    if saved.get("config") != current["config"]:
+        differ = sorted(
+            key
+            for key in saved.get("config", {}).keys() | current["config"].keys()
+            if saved.get("config", {}).get(key) != current["config"].get(key)
+        )
+        raise ValueError(
+            f"{path} was fitted for another model: its config differs in {', '.join(differ[:8])}"
+            "; fit a map for this one with kvpatch fit-scorer"
+        )
+    if saved.get("weights") != current["weights"]:
+        raise ValueError(
+            f"{path} was fitted for a model with other weights (same config); fit a map for this "
+            "one with kvpatch fit-scorer"
+        )
+
+
+def _checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    described = {k: v for k, v in header.items() if k != "checksum"}
+    digest.update(json.dumps(described, sort_keys=True).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

@@ -1,0 +1,3 @@
+from kvpatch.tools.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""``kvpatch fit-scorer``'s options; :mod:`kvpatch.tools.fitting` runs it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvpatch.tools.loading import add_model_options
+
+
+def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Fit the kvzap scorer of a model: a map from each token's hidden state to "
+        "its KVzip+ score, written where the kvzap policy finds it.",
+    )
+    add_model_options(parser, policy=None, new_tokens=False)
+    parser.add_argument(
+        "--text-files",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="training documents, one per file (default: texts the model writes itself from "
+        "built-in seed prompts)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the map's file (default: the model's file in the kvpatch cache, where kvzap looks)",
+    )
+    parser.add_argument(
+        "--kind",
+        default="linear",
+        choices=("linear", "mlp"),
+        help="a ridge regression per layer, or a two-layer MLP (default: linear)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=12,
+        help="texts the model writes when no files are given (default: 12)",
+    )
+    parser.add_argument(
+        "--sample-tokens", type=int, default=512, help="tokens of each written text (default: 512)"
+    )
+    parser.add_argument(
+        "--held-out", type=int, default=1, help="documents held out to report the fit (default: 1)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "kvpatch fit-scorer") -> int:
+    options = parser(prog)
+    args = options.parse_args(argv)
+    if args.held_out < 1 or args.samples < 2 or args.sample_tokens < 16:
+        options.error("--held-out >= 1, --samples >= 2 and --sample-tokens >= 16")
+    from kvpatch.tools.demo import DemoModelUnavailable
+    from kvpatch.tools.fitting import run
+
+    try:
+        return run(args)
+    except (ValueError, OSError, DemoModelUnavailable) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,3 @@
+from kvpatch.tools.eval.cli import main
+
+raise SystemExit(main())

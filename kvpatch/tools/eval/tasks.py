@@ -1,0 +1,282 @@
+"""RULER-style retrieval tasks, generated on the fly (no data downloads).
+
+A haystack of random common words hides *needles*, ``One of the special magic numbers for
+{key} is: {value}.``, and the question asks for a key's value(s):
+
+- ``single`` — one needle;
+- ``multikey`` — one needle asked for among distractor needles with other keys;
+- ``multivalue`` — several needles with the same key; all their values are asked for;
+- ``multiquestion`` — several needles with different keys, each asked for by its own question
+  about the same context (one sample per question, sharing ``context_ids``): compress the context
+  once, answer every question from a copy of that cache;
+- ``chat`` — a conversation: each user turn brings part of the haystack with one needle, the
+  assistant acknowledges it, and a last turn asks for the needle of an earlier turn. Compressed
+  question-agnostically, the history is compressed turn by turn (``Sample.turns``).
+
+Each sample is one token sequence: ``context_ids`` (instructions, haystack and needles) then
+``question_ids`` (the question and the start of the answer). A sample can be answered with the
+question in the prefill (everything compressed together) or question-agnostically (the context is
+compressed before the question is seen).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpatch.tools.eval.codecs import Codec
+from kvpatch.tools.eval.options import TASKS
+from kvpatch.tools.eval.words import ADJECTIVES, NOUNS, WORDS
+
+#: the assistant's reply to every turn of a ``chat`` sample
+ACKNOWLEDGEMENT = "Noted."
+
+INSTRUCTION = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize "
+    "them. I will quiz you about the numbers afterwards.\n"
+)
+
+
+@dataclass
+class Sample:
+    """One generated prompt with its expected answers.
+
+    Attributes
+    ----------
+    task : ``single``, ``multikey`` or ``multivalue``.
+    context_ids, question_ids : 1-D token ids; the prompt is their concatenation.
+    answers : the values the answer must contain.
+    needle_spans : for each expected value, the token positions (in the prompt) of its digits.
+    depth : relative position of the (first) asked needle in the haystack.
+    context : index of the context among the samples; samples of one context share
+        ``context_ids`` (``multiquestion``).
+    turns : for a conversation (``chat``), where each turn of ``context_ids`` ends.
+    """
+
+    task: str
+    context_ids: torch.Tensor
+    question_ids: torch.Tensor
+    answers: list[str]
+    needle_spans: list[list[int]] = field(default_factory=list)
+    depth: float = 0.0
+    context: int = 0
+    turns: list[int] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.context_ids, self.question_ids])
+
+    def score(self, text: str) -> float:
+        """Fraction of the expected values found in ``text`` (1.0 or 0.0 for one value)."""
+        return sum(answer in text for answer in self.answers) / len(self.answers)
+
+
+def _key(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+        if key not in taken:
+            taken.add(key)
+            return key
+
+
+def _value(rng: random.Random, taken: set[str], digits: int) -> str:
+    while True:
+        value = str(rng.randrange(10 ** (digits - 1), 10**digits))
+        if value not in taken:
+            taken.add(value)
+            return value
+
+
+def _question_text(codec: Codec, key: str, several: bool) -> str:
+    # "Answer with the number(s) only" and an answer prefix ending in a colon: without them this
+    # model often answers with a haystack word instead of the number, even with the full cache
+    if several:
+        question = (
+            f"What are all the special magic numbers for {key} mentioned in the provided text? "
+            "Answer with the numbers only."
+        )
+        prefix = f"The special magic numbers for {key} are:"
+    else:
+        question = (
+            f"What is the special magic number for {key} mentioned in the provided text? "
+            "Answer with the number only."
+        )
+        prefix = f"The special magic number for {key} is:"
+    after = codec.wrap("\x01")[1]
+    return f"\n{question}{after or chr(10)}{prefix}"
+
+
+def _haystack(codec: Codec, rng: random.Random, budget: int, sentences: list[str]) -> str:
+    """Random common words of about ``budget`` tokens with ``sentences`` (the needles) hidden at
+    random word boundaries, in a random order."""
+    # random words until the haystack's tokens reach the budget
+    per_word = len(codec.encode(" " + " ".join(rng.choices(WORDS, k=200)))[0]) / 200
+    words = rng.choices(WORDS, k=max(int(budget / per_word), 8))
+    while True:
+        count = len(codec.encode(" " + " ".join(words))[0])
+        if abs(count - budget) <= max(4, budget // 200):
+            break
+        change = int((budget - count) / per_word) or (1 if count < budget else -1)
+        words = words + rng.choices(WORDS, k=change) if change > 0 else words[:change]
+        if len(words) < 8:
+            break
+    # needles at random word boundaries, in sorted order; the asked one at a random depth
+    slots = sorted(rng.sample(range(len(words) + 1), len(sentences)))
+    order = list(range(len(sentences)))
+    rng.shuffle(order)
+    pieces, last = [], 0
+    for slot, index in zip(slots, order, strict=True):
+        pieces.append(" " + " ".join(words[last:slot]) if slot > last else "")
+        pieces.append(sentences[index])
+        last = slot
+    pieces.append(" " + " ".join(words[last:]) if last < len(words) else "")
+    return "".join(pieces).strip()
+
+
+def make_sample(
+    task: str,
+    codec: Codec,
+    context_tokens: int,
+    rng: random.Random,
+    digits: int = 6,
+    distractors: int = 3,
+    values: int = 4,
+) -> Sample:
+    """Generate one sample of about ``context_tokens`` prompt tokens (for ``multiquestion``,
+    the sample of its first question: see :func:`make_context`)."""
+    return make_context(task, codec, context_tokens, rng, digits, distractors, values)[0]
+
+
+def _needles(rng: random.Random, count: int, digits: int, same_key: bool) -> list[tuple[str, str]]:
+    """``count`` (key, value) needles with distinct values: distinct keys, or one key."""
+    keys: set[str] = set()
+    numbers: set[str] = set()
+    first = _key(rng, keys)
+    return [
+        (first if same_key or i == 0 else _key(rng, keys), _value(rng, numbers, digits))
+        for i in range(count)
+    ]
+
+
+def _token_span(text: str, spans: list[tuple[int, int]], anchor: str, value: str) -> list[int]:
+    """Indices of the tokens covering ``value`` where it appears inside ``anchor`` in ``text``."""
+    start = text.index(anchor) + anchor.index(value)
+    end = start + len(value)
+    return [i for i, (a, b) in enumerate(spans) if a < end and b > start]
+
+
+def make_context(
+    task: str,
+    codec: Codec,
+    context_tokens: int,
+    rng: random.Random,
+    digits: int = 6,
+    distractors: int = 3,
+    values: int = 4,
+    questions: int = 3,
+) -> list[Sample]:
+    """Generate one context of about ``context_tokens`` prompt tokens and the samples that ask
+    about it: one, or ``questions`` for ``multiquestion``."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if task == "chat":
+        return [make_chat(codec, context_tokens, rng, digits, turns=questions)]
+    counts = {"multikey": 1 + distractors, "multiquestion": questions, "multivalue": values}
+    needles = _needles(rng, counts.get(task, 1), digits, same_key=task == "multivalue")
+    asked = [k for k, _ in needles] if task == "multiquestion" else [needles[0][0]]
+    question_texts = [_question_text(codec, k, task == "multivalue") for k in asked]
+    before = codec.wrap("\x01")[0]
+    longest = max(len(codec.encode(text)[0]) for text in question_texts)
+    overhead = len(codec.encode(before + INSTRUCTION)[0]) + longest
+    sentences = [f" One of the special magic numbers for {k} is: {v}." for k, v in needles]
+    overhead += sum(len(codec.encode(s)[0]) for s in sentences)
+    budget = max(context_tokens - overhead, 16)
+
+    haystack = _haystack(codec, rng, budget, sentences)
+
+    context_text = before + INSTRUCTION + haystack
+    context_ids, spans = codec.encode(context_text)
+    context_tensor = torch.tensor(context_ids, dtype=torch.long)
+    samples = []
+    for asked_key, question_text in zip(asked, question_texts, strict=True):
+        answers = [v for k, v in needles if k == asked_key]
+        needle_spans = [_token_span(context_text, spans, f" is: {a}.", a) for a in answers]
+        first = min(s[0] for s in needle_spans)
+        samples.append(
+            Sample(
+                task=task,
+                context_ids=context_tensor,
+                question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
+                answers=answers,
+                needle_spans=needle_spans,
+                depth=first / max(len(context_ids), 1),
+            )
+        )
+    return samples
+
+
+def make_chat(
+    codec: Codec, context_tokens: int, rng: random.Random, digits: int = 6, turns: int = 3
+) -> Sample:
+    """A conversation of ``turns`` user turns of about ``context_tokens / turns`` tokens, each
+    hiding one needle and answered with :data:`ACKNOWLEDGEMENT`, then a question about the needle
+    of a turn before the last one."""
+    if turns < 2:
+        raise ValueError(f"a chat needs at least 2 turns, got {turns}")
+    keys: set[str] = set()
+    numbers: set[str] = set()
+    needles = [(_key(rng, keys), _value(rng, numbers, digits)) for _ in range(turns)]
+    asked = rng.randrange(turns - 1)
+    key, answer = needles[asked]
+    question = (
+        f"What is the special magic number for {key} mentioned in the conversation? "
+        "Answer with the number only."
+    )
+    sentence = lambda k, v: f" One of the special magic numbers for {k} is: {v}."
+    overhead = len(codec.encode(INSTRUCTION + question)[0]) + 24 * (turns + 1)
+    overhead += sum(len(codec.encode(sentence(k, v))[0]) for k, v in needles)
+    budget = max((context_tokens - overhead) // turns, 16)
+    messages, ends = [], []
+    for index, (k, v) in enumerate(needles):
+        text = _haystack(codec, rng, budget, [sentence(k, v)])
+        messages.append({"role": "user", "content": (INSTRUCTION if index == 0 else "") + text})
+        messages.append({"role": "assistant", "content": ACKNOWLEDGEMENT})
+        ends.append(len(codec.conversation(messages)))
+    context_text = codec.conversation(messages)
+    asking = codec.conversation([*messages, {"role": "user", "content": question}], True)
+    if not asking.startswith(context_text):
+        raise ValueError("the chat template does not render a conversation as its turns in order")
+    turn = asking[len(context_text) :]
+    space = "" if turn[-1:].isspace() else " "
+    question_text = f"{turn}{space}The special magic number for {key} is:"
+    context_ids, spans = codec.encode(context_text)
+    turn_ends = [sum(1 for _, end in spans if end <= char) for char in ends]
+    span = _token_span(context_text, spans, f" is: {answer}.", answer)
+    return Sample(
+        task="chat",
+        context_ids=torch.tensor(context_ids, dtype=torch.long),
+        question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
+        answers=[answer],
+        needle_spans=[span],
+        depth=span[0] / max(len(context_ids), 1),
+        turns=turn_ends,
+    )
+
+
+def make_samples(
+    tasks: list[str], codec: Codec, context_tokens: int, samples: int, seed: int = 0, **kwargs
+) -> list[Sample]:
+    """``samples`` contexts of each task, reproducible from ``seed``, with their questions'
+    samples (several per context for ``multiquestion``), each numbered by its context."""
+    out = []
+    contexts = 0
+    for task in tasks:
+        rng = random.Random(f"{seed}-{task}")
+        for _ in range(samples):
+            for sample in make_context(task, codec, context_tokens, rng, **kwargs):
+                sample.context = contexts
+                out.append(sample)
+            contexts += 1
+    return out
