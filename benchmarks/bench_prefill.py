@@ -71,14 +71,16 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode())}
 
 
-def replay_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
-    """The forwards of KVzip's reconstruction of ``ids`` (:func:`kvpatch.feed.reconstruction.reconstruct`'s
-    chunks, at the default chunk size and overlap), each through ``cache`` and cropped away."""
+def reconstruction_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
+    """The forwards of KVzip's reconstruction of ``ids`` (the chunks of
+    :func:`kvpatch.feed.reconstruction.reconstruct`, at the default chunk size and overlap), each
+    through ``cache`` and cropped away."""
     from kvpatch import compat
-    from kvpatch.feed.reconstruction import RepeatPrompts, _chunk_batch
+    from kvpatch.feed.reconstruction import Prompts, _chunk_batch
     from kvpatch.policies import KVzip
 
-    settings, prompts = KVzip(), RepeatPrompts(tokenizer, ids.device)
+    settings = KVzip().reconstruction
+    prompts = Prompts(tokenizer, settings, ids.device, "kvzip")
     length = ids.shape[1]
     for start in range(0, length, settings.chunk_size):
         size, overlap = settings.chunk_size, settings.overlap
@@ -117,7 +119,7 @@ def measure(policy: str, context: int, threads: int, model_name: str) -> dict:
             start = time.perf_counter()
             model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
             if policy == REPLAY_FORWARD:
-                replay_forwards(model, cache, ids, tokenizer)
+                reconstruction_forwards(model, cache, ids, tokenizer)
             seconds = time.perf_counter() - start
         else:
             kvpatch.enable(model, policy, tokenizer=tokenizer)

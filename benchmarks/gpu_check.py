@@ -7,9 +7,9 @@ A Llama-3-8B-shaped random model with fewer layers (bf16; 32 query heads sharing
   ``DynamicCache``, the *limit* (a ``DynamicCache`` of the kept tokens), and each policy, their
   ``generate`` steps interleaved and timed where they happen
   (:func:`kvpatch.tools.bench.take_turns`), medians of ``--rounds`` rounds. Each policy runs
-  through the padded view the stock kernel reads (``padded``), and reading packed storage directly (``packed``,
-  :mod:`kvpatch.attention.packed`, kvpatch's default: on CUDA, every head in one
-  variable-length call per layer);
+  through the padded view the stock kernel reads (``padded``), and reading packed storage
+  directly (``packed``, :mod:`kvpatch.attention.packed`, kvpatch's default: on CUDA, every head
+  in one variable-length call per layer);
 - memory: for each configuration alone, the cache's bytes, the memory still allocated after a
   short ``generate`` (the cache and nothing else of it) and the peak during it;
 - prefill: ``global-kvzip`` (both normalisations) against a plain prefill, medians of 2.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import wrapt
 
+from kvpatch import policies
 from kvpatch.lazy import lazy_exports
 
 __version__ = "0.1.0"
@@ -31,30 +32,8 @@ EXPORTS = {
     "kvpatch.feed": ("ShortContextWarning",),
     "kvpatch.patching": ("disable", "enable", "enabled", "is_enabled"),
     "kvpatch.pipeline": ("CompressedQAPipeline",),
-    "kvpatch.policies": (
-        "DEFAULT_POLICY",
-        "TOVA",
-        "AdaKV",
-        "ExpectedAttention",
-        "GlobalBudgets",
-        "KeyDiff",
-        "Knorm",
-        "KVzip",
-        "KVzipPlus",
-        "Policy",
-        "Pyramid",
-        "RandomScorer",
-        "SnapKV",
-        "Spans",
-        "SpanSnapKV",
-        "SpanTOVA",
-        "StreamingLLM",
-        "ThinK",
-        "ThinKValues",
-        "check_policy_names",
-        "parse_policy",
-        "policy_names",
-    ),
+    # every public name of the policies (their classes: kvpatch.policies.registry)
+    "kvpatch.policies": tuple(policies.__all__),
     "kvpatch.shared_prefill": ("SharedPrefill",),
 }
 __all__ = sorted(name for names in EXPORTS.values() for name in names)
@@ -73,30 +52,7 @@ if TYPE_CHECKING:
     from kvpatch.feed import ShortContextWarning
     from kvpatch.patching import disable, enable, enabled, is_enabled
     from kvpatch.pipeline import CompressedQAPipeline
-    from kvpatch.policies import (
-        DEFAULT_POLICY,
-        TOVA,
-        AdaKV,
-        ExpectedAttention,
-        GlobalBudgets,
-        KeyDiff,
-        Knorm,
-        KVzip,
-        KVzipPlus,
-        Policy,
-        Pyramid,
-        RandomScorer,
-        SnapKV,
-        Spans,
-        SpanSnapKV,
-        SpanTOVA,
-        StreamingLLM,
-        ThinK,
-        ThinKValues,
-        check_policy_names,
-        parse_policy,
-        policy_names,
-    )
+    from kvpatch.policies import *  # noqa: F403
     from kvpatch.shared_prefill import SharedPrefill
 
 

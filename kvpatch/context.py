@@ -68,7 +68,8 @@ class CompressedContext:
     def extend(self, ids: torch.Tensor, tokenizer=None) -> CompressedContext:
         """This context followed by ``ids`` (a new turn), compressed with the same policy: of the
         tokens appended since the last compression, ``1 - ratio`` are kept, scored with the
-        queries of this forward (for KVzip, by reconstructing them). ``self`` is unchanged.
+        queries of this forward (or by reconstructing them, for a policy that does). ``self`` is
+        unchanged.
 
         ``ids`` is ``[batch, tokens]`` (or 1-D for a batch of one), all real tokens.
         """
@@ -234,15 +235,15 @@ def prefill(
     input_ids : ``[batch, tokens]`` context (left-padded for a batch).
     attention_mask : its padding mask; all ones by default.
     policy : overrides the model's policy for this context.
-    tokenizer : for ``kvzip``, which asks the model to repeat the context (defaults to the one
+    tokenizer : for a policy that asks the model to repeat the context (defaults to the one
         given to :func:`kvpatch.enable`, or found in the model's checkpoint directory); given
         here, the chat template's preamble (system prompt, user header) a rendered context starts
         with is kept by every policy.
     chunk_size : prefill the context in chunks of this many tokens: after each chunk every
         layer is compressed back to its budget (the policy's share of the real tokens seen so
         far), scored with that chunk's queries, so the KV held never exceeds the budget plus one
-        chunk. A left-padded batch's first chunk reaches one real token of every row. Not for
-        KVzip, which reconstructs the whole context.
+        chunk. A left-padded batch's first chunk reaches one real token of every row. Not for a
+        policy that reconstructs the whole context.
     cache_kwargs : passed to :class:`~kvpatch.CompressedDynamicCache` (e.g. ``decode_budget``).
     """
     if not is_enabled(model):

@@ -2,7 +2,7 @@
 
 >>> import kvpatch                       # registers the task name with transformers
 >>> ask = pipeline(
-...     "kvpatch-text-generation", model=model, tokenizer=tokenizer, policy="global-kvzip:0.75"
+...     "kvpatch-text-generation", model=model, tokenizer=tokenizer, policy=kvpatch.DOCUMENT_POLICY
 ... )
 >>> ask(context=document, questions=["Who?", "When?"], max_new_tokens=32)
 [{'question': 'Who?', 'generated_text': '...', 'kv_bytes': ..., 'uncompressed_kv_bytes': ...,
@@ -40,7 +40,7 @@ class CompressedQAPipeline(Pipeline):
     Parameters (given to ``pipeline(...)`` or to each call)
     ----------
     policy : str or Policy
-        What to keep of the context (e.g. ``"global-kvzip:0.75"``); by default the enabled
+        What to keep of the context (e.g. :data:`kvpatch.DOCUMENT_POLICY`); by default the enabled
         model's own policy, else :data:`kvpatch.DEFAULT_POLICY` (``keydiff:0.5/window=64``).
     chat_template : bool, default True
         Put the context and question into the tokenizer's chat template (when it has one);

@@ -114,7 +114,8 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
     )
     serial.restore_layers(cache, header["layers"], tensors, decode_policy, rotary_function(model))
     for policy in [cache.policy, *(layer.policy for layer in cache.compressed_layers)]:
-        fitted_maps.prepare(model, policy)  # each layer's kvzap scorer reads its map
+        if policy is not None:
+            policy.prepare(model)  # e.g. a layer's hidden-state scorer reads its fitted map
     ids, mask = tensors["context.input_ids"], tensors["context.attention_mask"]
     return cache, ids, mask, tensors.get("context.logits")
 

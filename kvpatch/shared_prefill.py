@@ -17,7 +17,7 @@ from kvpatch import compat
 from kvpatch.cache import CompressedDynamicCache, CompressedLayer
 from kvpatch.feed import reconstruction
 from kvpatch.patching import disable, enable, is_enabled
-from kvpatch.policies import LayerInputs, Plan, Policy, fitted_maps, replay_needed
+from kvpatch.policies import LayerInputs, Plan, Policy, Reconstruction, reconstruction_of
 
 
 class _Recorder(Policy):
@@ -72,17 +72,19 @@ class SharedPrefill:
     logits: torch.Tensor
     seconds: float
     input_ids: torch.Tensor
-    #: KVzip's reconstruction attention per (prefix length, the scorer's settings), per layer
-    replays: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
-    replay_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    #: per (prefix length, reconstruction), each layer's reconstruction scores
+    reconstructions: dict[tuple[int, Reconstruction], list[torch.Tensor]] = field(
+        default_factory=dict
+    )
+    reconstruction_seconds: dict[tuple[int, Reconstruction], float] = field(default_factory=dict)
     #: seconds of reconstruction the last :meth:`cache` reused instead of running
-    reused_replay_s: float = 0.0
+    reused_reconstruction_s: float = 0.0
 
     @classmethod
     @torch.no_grad()
     def run(cls, model, ids: torch.Tensor, hidden_states: bool = False) -> SharedPrefill:
         """The prefill of ``ids``; with ``hidden_states``, each layer's hidden states are
-        recorded too (for KVzap; as many bytes again as the queries)."""
+        recorded too (for a hidden-state scorer; as many bytes again as the queries)."""
         recorder = _Recorder(hidden_states)
         was_enabled = is_enabled(model)
         if not was_enabled:
@@ -100,15 +102,16 @@ class SharedPrefill:
 
     def cache(self, model, policy: str | None, length: int | None = None, tokenizer=None):
         """A cache holding the first ``length`` tokens, compressed with ``policy`` (None: a stock
-        ``DynamicCache``), as a prefill of those tokens would have left it. A KVzip policy
-        reconstructs that prefix once (``tokenizer`` gives its prompt); other ratios reuse it."""
+        ``DynamicCache``), as a prefill of those tokens would have left it. A policy that
+        reconstructs its context does so once per prefix and reconstruction (``tokenizer`` gives
+        its prompt); other ratios reuse it."""
         if policy is None:
             cache = DynamicCache(config=model.config)
         else:
             cache = CompressedDynamicCache(config=model.config, policy=policy)
-            fitted_maps.prepare(model, cache.policy)
+            cache.policy.prepare(model)
         length = length or self.input_ids.shape[1]
-        self.reused_replay_s = 0.0
+        self.reused_reconstruction_s = 0.0
         deferred = policy is not None and cache.policy.needs_all_layers
         for index, layer in enumerate(cache.layers):
             if index in self.uncompressed:  # a sliding window: as a prefill of the prefix keeps it
@@ -133,23 +136,31 @@ class SharedPrefill:
                     layer.defer(cache.policy, inputs)
                 else:
                     layer.compress(cache.policy, inputs)
-        if deferred and replay_needed(cache.policy):
-            self._replay(model, cache, length, tokenizer)
+        declared = reconstruction_of(cache.policy) if deferred else None
+        if declared is not None:
+            self._reconstruct(model, cache, length, tokenizer, declared)
         if deferred:
             cache.compress_deferred()
         return cache
 
-    def _replay(self, model, cache: CompressedDynamicCache, length: int, tokenizer) -> None:
-        scorer = reconstruction.replay_scorer(cache.policy)
-        key = (length, repr(dataclasses.replace(scorer, ratio=0.0)))  # every setting but ratio
-        if key not in self.replays:
+    def _reconstruct(
+        self,
+        model,
+        cache: CompressedDynamicCache,
+        length: int,
+        tokenizer,
+        declared: Reconstruction,
+    ) -> None:
+        key = (length, declared)  # the ratio is not part of it: every ratio shares the scores
+        if key not in self.reconstructions:
             ids = self.input_ids[:, :length]
             start = time.perf_counter()
-            prompts = reconstruction.RepeatPrompts(tokenizer, ids.device)
-            reconstruction.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, scorer)
-            self.replay_seconds[key] = time.perf_counter() - start
-            self.replays[key] = [layer.replay_attention for layer in cache.deferred_layers]
+            prompts = reconstruction.Prompts(tokenizer, declared, ids.device, cache.policy.name)
+            reconstruction.reconstruct(model, cache, ids, torch.ones_like(ids), prompts, declared)
+            self.reconstruction_seconds[key] = time.perf_counter() - start
+            scores = [layer.reconstruction_scores for layer in cache.deferred_layers]
+            self.reconstructions[key] = scores
         else:
-            self.reused_replay_s = self.replay_seconds[key]
-        for layer, attention in zip(cache.deferred_layers, self.replays[key], strict=True):
-            layer.replay_attention = attention
+            self.reused_reconstruction_s = self.reconstruction_seconds[key]
+        for layer, scores in zip(cache.deferred_layers, self.reconstructions[key], strict=True):
+            layer.reconstruction_scores = scores

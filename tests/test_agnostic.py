@@ -15,8 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, compat, parse_policy
-from kvpatch.attention import replay as replay_attention
-from kvpatch.feed.reconstruction import RepeatPrompts, _turn_end, reconstruct
+from kvpatch.attention import reconstruction as reconstruction_attention
+from kvpatch.feed.reconstruction import Prompts, _turn_end, reconstruct
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from kvpatch.tools.testing import seeded
@@ -127,8 +127,8 @@ def plus_weighting(model, captured, idx: int, rows: torch.Tensor, n: int) -> tor
     return out
 
 
-def replay_attention_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
-    """Each layer's ``replay_attention`` after kvpatch's reconstruction of ``ids``, and the
+def reconstruction_scores_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
+    """Each layer's ``reconstruction_scores`` after kvpatch's reconstruction of ``ids``, and the
     cache (its layers still waiting for compression)."""
     with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
         cache = CompressedDynamicCache(config=model.config)
@@ -137,13 +137,15 @@ def replay_attention_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
         layers = cache.deferred_layers
         assert len(layers) == model.config.num_hidden_layers
         mask = torch.ones_like(ids)
-        reconstruct(model, cache, ids, mask, RepeatPrompts(ByteTokenizer(), ids.device), scorer)
-        return [layer.replay_attention[0] for layer in layers], cache
+        declared = scorer.reconstruction
+        prompts = Prompts(ByteTokenizer(), declared, ids.device, scorer.name)
+        reconstruct(model, cache, ids, mask, prompts, declared)
+        return [layer.reconstruction_scores[0] for layer in layers], cache
 
 
 def few_queries_at_a_time(monkeypatch) -> None:
     """The whole-context scoring in blocks of a few queries, as at long contexts."""
-    monkeypatch.setattr(replay_attention, "ATTEND_ELEMENTS", 4096)
+    monkeypatch.setattr(reconstruction_attention, "ATTEND_ELEMENTS", 4096)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -156,7 +158,7 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise, m
     ids = prompt(300)
     scorer = KVzip(ratio=0.6, chunk_size=128, normalise=normalise)
     expected = reference_reconstruction(model, ids, chunk=128, normalise=normalise)
-    scores, cache = replay_attention_of(model, ids, scorer)
+    scores, cache = reconstruction_scores_of(model, ids, scorer)
     for got, reference in zip(scores, expected, strict=True):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
     with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
@@ -181,18 +183,19 @@ def test_kvzip_plus_matches_a_head_by_head_reference(normalise, monkeypatch):
     ids = prompt(200)
     scorer = KVzipPlus(ratio=0.5, chunk_size=96, normalise=normalise)
     expected = reference_reconstruction(model, ids, chunk=96, normalise=normalise, weighted=True)
-    scores, _ = replay_attention_of(model, ids, scorer)
+    scores, _ = reconstruction_scores_of(model, ids, scorer)
     for got, reference in zip(scores, expected, strict=True):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
-    plain, _ = replay_attention_of(model, ids, KVzip(chunk_size=96, normalise=normalise))
+    plain, _ = reconstruction_scores_of(model, ids, KVzip(chunk_size=96, normalise=normalise))
     assert not torch.allclose(scores[0], plain[0])  # the weighting changes the scores
 
 
 def test_repeat_prompt_follows_the_chat_template():
-    plain = RepeatPrompts(ByteTokenizer(), "cpu")
+    declared = KVzip().reconstruction
+    plain = Prompts(ByteTokenizer(), declared, "cpu", "kvzip")
     assert plain.first().tolist() == encode(REPEAT_PROMPT + "\n")
     assert _turn_end(ChatTokenizer()) == "</u><a>"
-    chat = RepeatPrompts(ChatTokenizer(), "cpu")
+    chat = Prompts(ChatTokenizer(), declared, "cpu", "kvzip")
     assert chat.first().tolist() == encode(REPEAT_PROMPT + "</u><a>")
     before, after = chat.later()
     assert before.tolist() == encode(CONTINUE_PROMPT) and after.tolist() == encode("</u><a>")

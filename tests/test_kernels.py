@@ -8,7 +8,7 @@ import torch
 from conftest import prompt
 
 import kvpatch
-from kvpatch.attention import kernels, replay
+from kvpatch.attention import kernels, reconstruction
 
 
 def test_tiles_are_the_cpu_default_on_a_cpu_and_a_share_of_a_gpus_free_memory(monkeypatch):
@@ -48,7 +48,7 @@ def test_a_reconstruction_scores_alike_whatever_its_tile(elements, monkeypatch):
 
     def kept(tile: int | None):
         if tile is not None:
-            monkeypatch.setattr(replay, "workspace_elements", lambda device, default: tile)
+            monkeypatch.setattr(reconstruction, "workspace_elements", lambda device, default: tile)
         model = tiny_model(key_scale=4.0, vocab_size=len(tokenizer))
         with kvpatch.enabled(model, "global-kvzip:0.5", tokenizer=tokenizer):
             cache = kvpatch.prefill(model, ids).cache

@@ -221,7 +221,7 @@ def test_kvzap_composes_with_budgets_spans_and_channels(model, spec):
     """Every prefix and composition runs end to end with a map set on its scorer, holding the
     ratio's bytes (+-2%)."""
     policy = kvpatch.parse_policy(spec)
-    kvpatch.policies.hidden_state_scorer(policy).use_map(random_map(model))
+    policy.hidden_state_scorer.use_map(random_map(model))
     ids = torch.randint(5, model.config.vocab_size, (1, 400), generator=torch.Generator())
     with kvpatch.enabled(model, policy):
         context = kvpatch.prefill(model, ids)
@@ -315,7 +315,7 @@ def test_ridge_fitting_recovers_a_planted_linear_relation(model, monkeypatch):
 
     monkeypatch.setattr(fitting, "features_and_targets", planted)
     texts = [f"document {i}" for i in range(5)]
-    hidden_map, report = fitting.fit_kvzap(model, ByteTokenizer(), texts, held_out=1)
+    hidden_map, report = fitting.fit_map(model, ByteTokenizer(), texts, held_out=1)
     assert report["mean_r2"] > 0.9999
     for row in range(len(hidden_map.layers)):
         torch.testing.assert_close(hidden_map.weight[row], planted_w, atol=2e-3, rtol=1e-3)

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 import kvpatch
 from kvpatch import compat
-from kvpatch.policies import replay_needed
+from kvpatch.policies import reconstruction_of
 from kvpatch.tools.eval import ByteCodec
 from kvpatch.tools.testing import random_prompt, tiny_model
 
@@ -89,7 +89,7 @@ def test_any_policy_matches_the_oracle(policy, batch, kv_heads, attn, new_tokens
     model = model_with(kv_heads, attn)
     with _enabled(model, policy):
         tokens, logits, cache = generate(model, ids, mask, new_tokens, do_sample=False)
-    split = replay_needed(kvpatch.parse_policy(policy))
+    split = reconstruction_of(kvpatch.parse_policy(policy))
     expected_tokens, expected_logits = oracle_generate(model, ids, mask, cache, new_tokens, split)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=2e-4, rtol=0)
@@ -151,7 +151,7 @@ def test_ratio_zero_is_bit_exact(policy, length, rows, seed, kv_heads, attn, new
     zero = "+".join(f"{term.split(':')[0]}:0" for term in policy.split("+"))
     ids = random_prompt(length, rows, seed)
     model = model_with(kv_heads, attn)
-    if replay_needed(kvpatch.parse_policy(zero)):
+    if reconstruction_of(kvpatch.parse_policy(zero)):
         reference_tokens, reference_logits, _ = _split_reference(model, ids, new_tokens)
     else:
         reference_tokens, reference_logits, _ = generate(model, ids, None, new_tokens)

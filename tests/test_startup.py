@@ -85,7 +85,10 @@ def _type_checking_imports(package: str) -> dict[str, tuple[str, ...]]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
             for statement in node.body:
-                found[statement.module] = tuple(alias.name for alias in statement.names)
+                names = tuple(alias.name for alias in statement.names)
+                if names == ("*",):  # everything the module declares public
+                    names = tuple(importlib.import_module(statement.module).__all__)
+                found[statement.module] = names
     return found
 
 

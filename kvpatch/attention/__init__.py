@@ -15,9 +15,9 @@ in one dispatch (:func:`kvpatch_attention`):
   runs on the view (:mod:`~kvpatch.attention.padded`). Where fake keys cannot be guaranteed
   (soft-capped logits, queries no hyperplane separates), the padding slots are masked explicitly,
   with plain math (:mod:`~kvpatch.attention.reference`) under flash attention;
-- ``ReplayRequest`` (a KVzip context reconstruction): the weights are needed, so
-  :mod:`~kvpatch.attention.replay` computes them, whatever the backend (the stock kernel still
-  gives the output where the scores are normalised over the chunk alone).
+- ``ReconstructionRequest`` (a chunk of a context reconstruction): the weights are needed, so
+  :mod:`~kvpatch.attention.reconstruction` computes them, whatever the backend (the stock kernel
+  still gives the output where the scores are normalised over the chunk alone).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from collections.abc import Callable
 import torch
 
 from kvpatch import compat
-from kvpatch.attention import hidden_states, packed, replay
+from kvpatch.attention import hidden_states, packed, reconstruction
 from kvpatch.attention.kernels import stock_kernels
 from kvpatch.attention.modules import bind_policy, scaling, unbind_policy
 from kvpatch.attention.padded import attend_padded, logical_weights
 from kvpatch.attention.prefill import compress_prefill
-from kvpatch.cache import PackedRequest, PaddedRequest, PrefillRequest, ReplayRequest, take
+from kvpatch.cache import PackedRequest, PaddedRequest, PrefillRequest, ReconstructionRequest, take
 
 BACKENDS = ("sdpa", "eager", "flash_attention_2")
 PREFIX = "kvpatch_"
@@ -109,8 +109,8 @@ def kvpatch_attention(backend, module, query, key, value, attention_mask, **kwar
                 backend, original, module, query, key, value, attention_mask, request, kwargs
             )
             return output, None if weights is None else logical_weights(weights, request)
-        case ReplayRequest():
-            return _attend_replay(
+        case ReconstructionRequest():
+            return _attend_reconstruction(
                 original, module, query, key, value, attention_mask, request, kwargs
             )
         case _:
@@ -144,10 +144,10 @@ def _attend_packed(module, query, attention_mask, request: PackedRequest, kwargs
     return output, None
 
 
-def _attend_replay(original, module, query, key, value, attention_mask, request, kwargs):
+def _attend_reconstruction(original, module, query, key, value, attention_mask, request, kwargs):
     scale, softcap = scaling(module, query, kwargs), kwargs.get("softcap")
     if request.chunk.local is None:
-        return replay.attend(module, query, key, value, request, scale, softcap)
+        return reconstruction.attend(module, query, key, value, request, scale, softcap)
     output = original(module, query, key, value, attention_mask, **kwargs)
-    replay.score_locally(module, query, key, value, request, scale, softcap)
+    reconstruction.score_locally(module, query, key, value, request, scale, softcap)
     return output

@@ -1,5 +1,5 @@
 r"""What each attention module of an enabled model reads in its current forward: its hidden
-states (after the layer's input norm), for policies that score tokens from them (KVzap).
+states (after the layer's input norm), for policies that score tokens from them.
 
 A forward pre-hook (:func:`record`, set by :func:`kvpatch.enable`) keeps a reference, no copy;
 the module's kvpatch attention call :func:`take`\ s it, so nothing outlives the forward.

@@ -9,8 +9,8 @@
 - :mod:`~kvpatch.cache.buffer` — the tail's storage, grown with spare room;
 - :mod:`~kvpatch.cache.recompress` — compressing again: a decode budget, an appended segment, a
   prefill chunk;
-- :mod:`~kvpatch.cache.replay_chunk` — a KVzip reconstruction chunk's masks and workspaces;
-- :mod:`~kvpatch.cache.hidden_scores` — every token's score from its hidden state (KVzap);
+- :mod:`~kvpatch.cache.reconstruction_chunk` — a reconstruction chunk's masks and workspaces;
+- :mod:`~kvpatch.cache.hidden_scores` — every token's score from its hidden state;
 - :mod:`~kvpatch.cache.requests` — what the layer asks of the attention function that reads its
   keys (one typed request, posted with them);
 - :mod:`~kvpatch.cache.stats` — tokens and bytes held.
@@ -27,13 +27,13 @@ from kvpatch.cache.recompress import (
     token_part,
     token_policy_of,
 )
-from kvpatch.cache.replay_chunk import LocalColumns, ReplayChunk
+from kvpatch.cache.reconstruction_chunk import LocalColumns, ReconstructionChunk
 from kvpatch.cache.requests import (
     AttentionRequest,
     PackedRequest,
     PaddedRequest,
     PrefillRequest,
-    ReplayRequest,
+    ReconstructionRequest,
     peek,
     post,
     take,
@@ -53,8 +53,8 @@ __all__ = [
     "PaddedRequest",
     "PrefillRequest",
     "Quantization",
-    "ReplayChunk",
-    "ReplayRequest",
+    "ReconstructionChunk",
+    "ReconstructionRequest",
     "bounded_history_policy",
     "cache_nbytes",
     "check_chunk_size",

@@ -19,7 +19,7 @@ from kvpatch.cache.recompress import (
 )
 from kvpatch.cache.requests import PrefillRequest, peek
 from kvpatch.cache.stats import CacheStats, layer_stats
-from kvpatch.policies import Policy, parse_policy, replay_needed
+from kvpatch.policies import Policy, parse_policy, reconstruction_of
 
 
 class CompressedDynamicCache(DynamicCache):
@@ -109,7 +109,11 @@ class CompressedDynamicCache(DynamicCache):
             )
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         deferred = isinstance(layer, CompressedLayer) and layer.deferred is not None
-        if deferred and layer.replay is None and not replay_needed(layer.deferred.policy):
+        if (
+            deferred
+            and layer.reconstructing is None
+            and not reconstruction_of(layer.deferred.policy)
+        ):
             self.compress_deferred()  # every layer's prefill is known by now
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] > 1 and not isinstance(self.layers[layer_idx], CompressedLayer):
@@ -131,19 +135,21 @@ class CompressedDynamicCache(DynamicCache):
         # the next forward would: their plan must cover the tokens they hold (transformers crops
         # a draft model's cache right after its prefill).
         waiting = self.deferred_layers
-        if waiting and not replay_needed(waiting[0].deferred.policy):
+        if waiting and not reconstruction_of(waiting[0].deferred.policy):
             self.compress_deferred()
         super().crop(max_length)
 
     def compress_deferred(self) -> None:
-        """Compress the layers whose policy plans every layer at once (shared budgets, KVzip's
-        reconstruction scores in ``layer.replay_attention``)."""
+        """Compress the layers whose policy plans every layer at once (shared budgets, or the
+        scores of a reconstruction in ``layer.reconstruction_scores``)."""
         layers = self.deferred_layers
         if not layers:
             return
         policy = layers[0].deferred.policy
         inputs = [
-            dataclasses.replace(layer.deferred.inputs, replay_attention=layer.replay_attention)
+            dataclasses.replace(
+                layer.deferred.inputs, reconstruction_scores=layer.reconstruction_scores
+            )
             for layer in layers
         ]
         plans = policy.plan_layers(inputs)
@@ -191,7 +197,7 @@ def check_chunk_size(
         return
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{name} must be a positive integer (tokens), got {chunk_size!r}")
-    if policy is not None and policy.needs_replay:
+    if policy is not None and policy.reconstruction is not None:
         raise ValueError(
             f"{policy.name!r} scores tokens by reconstructing the whole context, which a chunked "
             f"prefill does not have until its end; drop {name}, or use a policy that scores "

@@ -1,4 +1,4 @@
-"""The scores a hidden-state policy (KVzap) gives each token of a compressed layer as it arrives,
+"""The scores a hidden-state policy gives each token of a compressed layer as it arrives,
 kept so that what the layer holds can be ranked again: after a prefill chunk, an appended turn,
 or under a decode budget."""
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from kvpatch.policies import KVzap, LayerInputs, Policy, hidden_state_scorer
+from kvpatch.policies import HiddenStateScorer, LayerInputs, Policy
 
 
 class HiddenScores:
@@ -16,16 +16,16 @@ class HiddenScores:
     seen]`` holds the score of every token seen by logical position (None for other policies),
     ``hidden_scorer`` the scorer that gave them."""
 
-    hidden_scorer: KVzap | None
+    hidden_scorer: HiddenStateScorer | None
     token_scores: torch.Tensor | None
 
     def _score_hidden_states(self, policy: Policy, inputs: LayerInputs) -> LayerInputs:
         """For a policy that scores hidden states, score the prefill's tokens once and remember
         the scores (the ``inputs`` returned carry them instead of the hidden states)."""
-        if not policy.needs_hidden_states or hidden_state_scorer(policy) is None:
+        if policy.hidden_state_scorer is None:
             return inputs  # (a policy reading the hidden states itself gets them)
         if inputs.hidden_scores is None:  # else scored when the layer was deferred
-            self.hidden_scorer = hidden_state_scorer(policy)
+            self.hidden_scorer = policy.hidden_state_scorer
             if inputs.hidden_states is None:
                 raise ValueError(
                     f"{policy.name!r} scores tokens from their hidden states, which only "

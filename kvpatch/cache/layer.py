@@ -19,10 +19,10 @@ from kvpatch.cache.hidden_scores import HiddenScores
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
-from kvpatch.cache.replay_chunk import Reconstructed, ReplayChunk
+from kvpatch.cache.reconstruction_chunk import Reconstructed, ReconstructionChunk
 from kvpatch.cache.requests import PrefillRequest, post
 from kvpatch.cache.store import CompressedStore
-from kvpatch.policies import KVzap, LayerInputs, Plan, Policy
+from kvpatch.policies import HiddenStateScorer, LayerInputs, Plan, Policy
 
 
 class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
@@ -48,15 +48,15 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         self.awaiting_compression = False
         self.passthrough = False  # nothing to compress: a plain dense layer
         self.deferred: Deferred | None = None
-        self.replay: ReplayChunk | None = None
-        self.replay_attention: torch.Tensor | None = None
+        self.reconstructing: ReconstructionChunk | None = None
+        self.reconstruction_scores: torch.Tensor | None = None
         # appended tokens compressed after their forward: their queries, recorded meanwhile
         self.capture_queries = False
         self.segment_queries: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None  # for a decode budget
-        # a policy scoring hidden states (KVzap): the score of every token seen, [b, h, seen],
+        # a policy scoring hidden states: the score of every token seen, [b, h, seen],
         # so that what is held can be ranked again (chunks, appended turns, a decode budget)
-        self.hidden_scorer: KVzap | None = None
+        self.hidden_scorer: HiddenStateScorer | None = None
         self.token_scores: torch.Tensor | None = None
 
     # -- transformers' layer API ---------------------------------------------------------------
@@ -76,8 +76,8 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         checks.same_kind_of_keys(self.full_width_keys(), key_states)
-        if self.replay is not None or self.deferred is not None:
-            return self._replay_view(key_states, value_states)
+        if self.reconstructing is not None or self.deferred is not None:
+            return self._reconstruction_view(key_states, value_states)
         first_forward = self.seen == 0
         self.seen += key_states.shape[-2]
         if self.store is not None:
@@ -171,7 +171,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         """Replace the prefill by what ``policy`` keeps (called once, right after the prefill,
         or with the ``plan`` made for every layer at once)."""
         self.awaiting_compression = False
-        self.deferred = self.replay = self.replay_attention = None
+        self.deferred = self.reconstructing = self.reconstruction_scores = None
         if policy is None or inputs.num_tokens <= 1:
             self.passthrough = True
             return
@@ -241,13 +241,13 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         if scores is not None:
             scores = scores[..., self.store.tail_start : self.store.end]
         return recompress.segment_inputs(
-            self.store, self.setup, self.segment_queries, self.replay_attention, scores
+            self.store, self.setup, self.segment_queries, self.reconstruction_scores, scores
         )
 
     def compress_segment(self, keep: torch.Tensor) -> None:
         """Keep the ``keep`` tokens ``[batch, kv_heads, tail]`` of the tail."""
         self.store = recompress.compress_segment(self.store, self.setup, keep)
-        self.segment_queries = self.replay_attention = None
+        self.segment_queries = self.reconstruction_scores = None
 
     def held_inputs(self, keep_tokens: int | torch.Tensor) -> LayerInputs:
         """Everything held, scored by the recorded queries, to keep ``keep_tokens`` per head."""

@@ -122,12 +122,12 @@ class LayerSetup:
 def scored_for_later(policy: Policy, inputs: LayerInputs) -> LayerInputs:
     """``inputs`` of a layer whose compression waits for every layer, holding only what the
     budget split still needs: the token scorer's scores, computed now, instead of every query
-    (the last ones stay, for a channel policy's window and a decode budget). KVzip's scores
-    come later, from its reconstruction; a policy of another kind keeps its inputs whole."""
+    (the last ones stay, for a channel policy's window and a decode budget). A reconstruction's
+    scores come later, from the pass; a policy of another kind keeps its inputs whole."""
     tokens = token_part(policy)
     scorer = getattr(tokens, "scorer", None)  # the scorer that global or pyramid budgets share
     keep = max(RECENT_QUERIES, policy.query_window, policy.full_width_tokens)
-    if policy.needs_replay:
+    if policy.reconstruction is not None:
         return dataclasses.replace(inputs, queries=recent(None, inputs.queries, keep))
     if not isinstance(scorer, TokenScorer):  # a policy of the user's own: it keeps everything
         return inputs
@@ -159,11 +159,11 @@ def bounded_history_policy(policy: Policy) -> Policy:
     """The token part of ``policy``, which compresses a bounded history back to its budget with
     the newest turn's queries; a ValueError for a policy that cannot."""
     tokens = token_part(policy)
-    if tokens is None or tokens.needs_replay:
+    if tokens is None or tokens.reconstruction is not None:
         reason = (
             "it only prunes channels"
             if tokens is None
-            else "KVzip scores by reconstructing the context"
+            else "it scores by reconstructing the context"
         )
         name = getattr(policy, "name", "") or type(policy).__name__
         raise ValueError(
@@ -187,7 +187,7 @@ def token_policy_of(policy: Policy) -> Policy:
 
 
 def check_decode_budget(policy: Policy, budget: DecodeBudget) -> None:
-    if token_policy_of(policy).needs_replay:
+    if token_policy_of(policy).reconstruction is not None:
         raise ValueError(
             f"{policy.name!r} scores tokens from a reconstruction of the prefilled context and "
             "cannot compress while decoding; drop decode_budget or use a policy that scores "
@@ -272,7 +272,7 @@ def segment_inputs(
     store: CompressedStore,
     setup: LayerSetup,
     queries: torch.Tensor,
-    replay_attention: torch.Tensor | None,
+    reconstruction_scores: torch.Tensor | None,
     hidden_scores: torch.Tensor | None = None,
 ) -> LayerInputs:
     """The tail (tokens held at full width since the last compression) as a policy sees it,
@@ -284,7 +284,7 @@ def segment_inputs(
         keys=keys,
         values=values,
         valid=store.tail_valid,
-        replay_attention=replay_attention,
+        reconstruction_scores=reconstruction_scores,
         at_start=False,
         hidden_scores=hidden_scores,
     )

@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from kvpatch.cache.decode import DecodeBudget
     from kvpatch.cache.layer import CompressedLayer
-    from kvpatch.cache.replay_chunk import ReplayChunk
+    from kvpatch.cache.reconstruction_chunk import ReconstructionChunk
     from kvpatch.cache.store import CompressedStore
     from kvpatch.policies import Policy
 
@@ -45,7 +45,7 @@ class PrefillRequest:
 
 
 @dataclass
-class ReplayRequest:
+class ReconstructionRequest:
     """The keys of a layer during a reconstruction chunk: what it holds, then the chunk.
 
     The held columns from ``scored_from`` on are the tokens being scored; ``held_valid``
@@ -53,7 +53,7 @@ class ReplayRequest:
     """
 
     layer: CompressedLayer
-    chunk: ReplayChunk
+    chunk: ReconstructionChunk
     held_valid: torch.Tensor
     scored_from: int
 
@@ -85,7 +85,7 @@ class PackedRequest:
     store: CompressedStore
 
 
-AttentionRequest = PrefillRequest | PaddedRequest | PackedRequest | ReplayRequest
+AttentionRequest = PrefillRequest | PaddedRequest | PackedRequest | ReconstructionRequest
 
 _posted = threading.local()
 

@@ -20,7 +20,6 @@ from kvpatch.cache.packed import PackedKV
 from kvpatch.cache.quantized import Quantization, QuantizedRows
 from kvpatch.cache.recompress import DecodeBudget, LayerSetup
 from kvpatch.cache.store import CompressedStore
-from kvpatch.policies import hidden_state_scorer
 
 Tensors = dict[str, torch.Tensor]
 
@@ -83,7 +82,7 @@ def _dynamic_layer_state(layer: DynamicLayer, own: Tensors) -> dict:
 
 
 def _compressed_layer_state(layer: CompressedLayer, own: Tensors, encode_policy) -> dict:
-    if layer.awaiting_compression or layer.deferred is not None or layer.replay is not None:
+    if layer.awaiting_compression or layer.deferred is not None or layer.reconstructing is not None:
         raise NotSaveable("a layer is still waiting for its compression; save a prefilled context")
     if layer.store is None:
         state = _dynamic_layer_state(layer, own)
@@ -193,7 +192,7 @@ def _restore_compressed(layer: CompressedLayer, described: dict, own, decode_pol
     layer.recent_queries = own.get("recent_queries")
     layer.token_scores = own.get("token_scores")
     if layer.token_scores is not None:
-        layer.hidden_scorer = hidden_state_scorer(layer.setup.policy)
+        layer.hidden_scorer = layer.setup.policy.hidden_state_scorer
 
 
 def _restore_dense(layer: DynamicLayer, described: dict, own: Tensors) -> None:

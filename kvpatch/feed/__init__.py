@@ -1,13 +1,13 @@
 """How tokens go into a compressed cache.
 
 - :func:`prefill_into`: a context in one forward, compressed right after each layer's attention
-  (KVzip's reconstruction included), or in chunks (``chunk_size``): after each chunk every layer
-  is compressed back to its budget, the policy's share of the tokens seen so far, scored with
+  (the policy's reconstruction included), or in chunks (``chunk_size``): after each chunk every
+  layer is compressed back to its budget, the policy's share of the tokens seen so far, scored with
   that chunk's queries, so the KV held never exceeds the budget plus one chunk;
 - :func:`compress_appended`: a segment appended to a compressed context (a chat turn), of
   which ``1 - ratio`` is kept, scored with its own queries.
 
-``get_tokenizer`` returns the tokenizer; it is called only when a KVzip reconstruction needs its
+``get_tokenizer`` returns the tokenizer; it is called only when a reconstruction needs its
 prompt (finding a tokenizer may read the model's checkpoint directory).
 """
 
@@ -28,7 +28,7 @@ from kvpatch.cache import (
     token_policy_of,
 )
 from kvpatch.feed import reconstruction
-from kvpatch.policies import LayerInputs, Policy, fitted_maps, replay_needed
+from kvpatch.policies import LayerInputs, Policy, reconstruction_of
 
 TokenizerSource = Callable[[], object]
 
@@ -100,7 +100,8 @@ def prefill_into(
 ) -> torch.Tensor:
     """Prefill ``input_ids`` into ``cache``, compressed as its policy says, in one forward or in
     chunks of ``chunk_size`` tokens; returns the logits of the last position."""
-    fitted_maps.prepare(model, cache.policy)
+    if cache.policy is not None:
+        cache.policy.prepare(model)
     if chunk_size is not None and input_ids.shape[1] > chunk_size:
         return _prefill_in_chunks(
             model, cache, input_ids, attention_mask, get_tokenizer, chunk_size
@@ -115,7 +116,7 @@ def prefill_into(
     )
     deferred = cache.deferred_layers
     if deferred:
-        tokenizer = get_tokenizer() if replay_needed(deferred[0].policy) else None
+        tokenizer = get_tokenizer() if reconstruction_of(deferred[0].policy) else None
         reconstruction.finish_prefill(model, cache, input_ids, attention_mask, tokenizer)
     return out.logits
 
@@ -245,13 +246,11 @@ def compress_appended(
     if not layers:
         return logits
     policy = layers[0].policy
-    if replay_needed(token_policy_of(policy)):
-        tail_start = layers[0].store.tail_start
-        prompts = reconstruction.RepeatPrompts(get_tokenizer(), input_ids.device)
-        scorer = reconstruction.replay_scorer(policy)
-        reconstruction.reconstruct(
-            model, cache, input_ids, attention_mask, prompts, scorer, tail_start
-        )
+    declared = reconstruction_of(token_policy_of(policy))
+    if declared is not None:
+        tail = layers[0].store.tail_start
+        prompts = reconstruction.Prompts(get_tokenizer(), declared, input_ids.device, policy.name)
+        reconstruction.reconstruct(model, cache, input_ids, attention_mask, prompts, declared, tail)
     inputs = [layer.segment_inputs() for layer in layers]
     plans = token_policy_of(policy).plan_layers(inputs, _windows(layers, inputs))
     for layer, plan in zip(layers, plans, strict=True):

@@ -1,16 +1,17 @@
-"""Finish a prefill whose policy plans every layer at once; for KVzip, reconstruct the context.
+"""Finish a prefill whose policy plans every layer at once; first run the reconstruction the
+policy declares, if any (:class:`~kvpatch.policies.Reconstruction`).
 
-KVzip (https://arxiv.org/abs/2505.23416) scores what a compressed cache must keep by asking the
-model to repeat its context: after the prefill, the cache still holds everything, and the model
-reads a repeat request followed by the context itself, teacher-forced, chunk by chunk. The
-largest attention a cached token gets from those queries is its score. Each chunk is attended
-over the prefill and then forgotten: nothing of the reconstruction stays in the cache.
+A reconstruction scores what a compressed cache must keep by asking the model to repeat its
+context: after the prefill, the cache still holds everything, and the model reads a repeat
+request followed by the context itself, teacher-forced, chunk by chunk. The largest attention a
+cached token gets from those queries is its score. Each chunk is attended over the prefill and
+then forgotten: nothing of the reconstruction stays in the cache.
 
-A chunk is ``prompt + context[s:e]``: the first chunk's prompt is ``REPEAT_PROMPT``, a later one's
-``CONTINUE_PROMPT`` and the last ``overlap`` tokens before ``s``, each closed like a user turn of
-the tokenizer's chat template (followed by the assistant's header) or, without a template, by a
-newline. Scored as the authors do (``normalise="chunk"``), a chunk's queries are normalised over
-the sinks, ``context[s:e]`` and the chunk itself (:class:`~kvpatch.cache.LocalColumns`).
+A chunk is ``prompt + context[s:e]``: the first chunk's prompt is the reconstruction's
+``first_prompt``, a later one's ``continue_prompt`` and the last ``overlap`` tokens before ``s``,
+each closed like a user turn of the tokenizer's chat template (followed by the assistant's header)
+or, without a template, by a newline. Scored locally (``local``), a chunk's queries are normalised
+over the sinks, ``context[s:e]`` and the chunk itself (:class:`~kvpatch.cache.LocalColumns`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from __future__ import annotations
 import torch
 
 from kvpatch import compat
-from kvpatch.cache import CompressedDynamicCache, CompressedLayer, LocalColumns, ReplayChunk
-from kvpatch.policies import Composed, KVzip, Policy, replay_needed
-from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
-from kvpatch.policies.wraps import WrapsScorer
+from kvpatch.cache import CompressedDynamicCache, CompressedLayer, LocalColumns, ReconstructionChunk
+from kvpatch.policies import Reconstruction, reconstruction_of
 
 
 def finish_prefill(
@@ -32,38 +31,27 @@ def finish_prefill(
     tokenizer=None,
 ) -> None:
     """Compress the layers of ``cache`` that wait for the whole prefill (``input_ids``,
-    ``attention_mask`` are what was prefilled); runs KVzip's reconstruction first if needed."""
+    ``attention_mask`` are what was prefilled); runs the policy's reconstruction first if it
+    declares one."""
     layers = cache.deferred_layers
     if not layers:
         return
     policy = layers[0].deferred.policy
-    if replay_needed(policy):
-        scorer = replay_scorer(policy)
-        prompts = RepeatPrompts(tokenizer, input_ids.device)
-        reconstruct(model, cache, input_ids, attention_mask, prompts, scorer)
+    declared = reconstruction_of(policy)
+    if declared is not None:
+        prompts = Prompts(tokenizer, declared, input_ids.device, policy.name)
+        reconstruct(model, cache, input_ids, attention_mask, prompts, declared)
     cache.compress_deferred()
 
 
-def replay_scorer(policy: Policy) -> KVzip:
-    """The :class:`KVzip` inside ``policy`` (composed, head-wise, global or spread)."""
-    while not isinstance(policy, KVzip):
-        if isinstance(policy, Composed):
-            policy = policy.tokens
-        elif isinstance(policy, WrapsScorer):
-            policy = policy.scorer
-        else:
-            raise ValueError(f"{policy!r} needs a context replay but holds no KVzip scorer")
-    return policy
-
-
-class RepeatPrompts:
+class Prompts:
     """The token ids that ask for the context again, from a tokenizer."""
 
-    def __init__(self, tokenizer, device):
+    def __init__(self, tokenizer, declared: Reconstruction, device, policy_name: str):
         if tokenizer is None:
             raise ValueError(
-                "kvzip asks the model to repeat its context, which needs the model's tokenizer: "
-                "pass it as kvpatch.enable(model, policy, tokenizer=tokenizer) or "
+                f"{policy_name} asks the model to repeat its context, which needs the model's "
+                "tokenizer: pass it as kvpatch.enable(model, policy, tokenizer=tokenizer) or "
                 "kvpatch.prefill(..., tokenizer=tokenizer)"
             )
         encode = lambda text: torch.tensor(
@@ -71,8 +59,8 @@ class RepeatPrompts:
         )
         # encoded once: every chunk of every row uses them
         self.turn_end = encode(_turn_end(tokenizer))
-        self._first = torch.cat([encode(REPEAT_PROMPT), self.turn_end])
-        self._continue = encode(CONTINUE_PROMPT)
+        self._first = torch.cat([encode(declared.first_prompt), self.turn_end])
+        self._continue = encode(declared.continue_prompt)
 
     def first(self) -> torch.Tensor:
         return self._first
@@ -131,14 +119,14 @@ def reconstruct(
     cache: CompressedDynamicCache,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    prompts: RepeatPrompts,
-    scorer: KVzip,
+    prompts: Prompts,
+    declared: Reconstruction,
     start: int = 0,
 ) -> None:
     """Run the reconstruction of ``input_ids[:, start:]`` through ``cache``, whose layers hold
     ``input_ids`` (``attention_mask`` marks its real tokens): the whole prefill of layers that
     wait for it (``start`` 0) or, for compressed layers, their tail from ``start`` on. Each such
-    layer ends up with ``replay_attention`` ``[batch, kv_heads, scored tokens]``."""
+    layer ends up with ``reconstruction_scores`` ``[batch, kv_heads, scored tokens]``."""
     layers = cache.deferred_layers if start == 0 else cache.compressed_layers
     others = [layer for layer in cache.layers if not isinstance(layer, CompressedLayer)]
     mask = attention_mask.bool()
@@ -146,26 +134,27 @@ def reconstruct(
     lengths = mask.sum(-1, keepdim=True)  # the position of each row's first new token
     firsts = mask[:, :start].sum(-1).tolist()  # where each row's scored tokens begin
     longest = max(len(row) - first for row, first in zip(rows, firsts, strict=True))
-    local = scorer.normalise == "chunk" and start == 0  # appended turns: over what is held
-    sinks = max(scorer.n_sink, cache.sink_tokens)
+    local = declared.local and start == 0  # appended turns: over what is held
+    sinks = max(declared.sinks, cache.sink_tokens)
+    size = declared.chunk_size
     hidden_norms: dict[int, torch.Tensor] = {}
-    hooks = _record_hidden_norms(model, hidden_norms) if scorer.weighted else []
+    hooks = _record_hidden_norms(model, hidden_norms) if declared.weighted else []
     try:
-        for offset in range(0, longest, scorer.chunk_size):
+        for offset in range(0, longest, size):
             starts = [first + offset for first in firsts]
-            ids, valid = _chunk_batch(prompts, rows, starts, scorer.chunk_size, scorer.overlap)
+            ids, valid = _chunk_batch(prompts, rows, starts, size, declared.overlap)
             positions = lengths + valid.long().cumsum(-1) - 1
-            chunk = ReplayChunk(
+            chunk = ReconstructionChunk(
                 query_valid=valid,
                 prefill_valid=mask,
-                local=_local_columns(mask, starts, scorer.chunk_size, sinks, local),
-                hidden_norms=hidden_norms if scorer.weighted else None,
+                local=_local_columns(mask, starts, size, sinks, local),
+                hidden_norms=hidden_norms if declared.weighted else None,
             )
-            _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask)
+            _run_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask)
     finally:
         for hook in hooks:
             hook.remove()
-    missing = [layer for layer in layers if layer.replay_attention is None]
+    missing = [layer for layer in layers if layer.reconstruction_scores is None]
     if missing:
         raise RuntimeError("the context reconstruction did not reach every compressed layer")
 
@@ -175,11 +164,11 @@ def _local_columns(mask, starts, chunk_size: int, sinks: int, local: bool) -> Lo
     return LocalColumns.of_chunk(mask, starts, chunk_size, sinks) if local else None
 
 
-def _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask) -> None:
+def _run_chunk(model, cache, layers, others, chunk, ids, positions, attention_mask) -> None:
     """One reconstruction forward through ``cache``; nothing of it stays in any layer."""
     saved = [dict(layer.__dict__) for layer in others]  # sliding layers: restored below
     for layer in layers:
-        layer.replay = chunk
+        layer.reconstructing = chunk
     try:
         model(
             ids,
@@ -191,7 +180,7 @@ def _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention
         )
     finally:
         for layer in layers:
-            layer.replay = None
+            layer.reconstructing = None
         for layer, state in zip(others, saved, strict=True):
             layer.__dict__.clear()
             layer.__dict__.update(state)
@@ -199,7 +188,7 @@ def _replay_chunk(model, cache, layers, others, chunk, ids, positions, attention
 
 def _record_hidden_norms(model: torch.nn.Module, norms: dict[int, torch.Tensor]) -> list:
     """Hooks that store, per layer index, the norm of each query's hidden state ``[batch, q]``
-    as the attention module reads it (KVzip+ divides by it)."""
+    as the attention module reads it (a weighted reconstruction divides by it)."""
 
     def hook(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -208,14 +197,15 @@ def _record_hidden_norms(model: torch.nn.Module, norms: dict[int, torch.Tensor])
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
     if not modules:
         raise ValueError(
-            "kvzip-plus weighs each token by the attention's output projection (o_proj), which "
-            f"{type(model).__name__}'s attention modules do not have; use kvzip"
+            "a weighted reconstruction weighs each token by the attention's output projection "
+            f"(o_proj), which {type(model).__name__}'s attention modules do not have; use a "
+            "policy that does not weigh its scores"
         )
     return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
 
 
 def _chunk_batch(
-    prompts: RepeatPrompts, rows: list[torch.Tensor], starts: list[int], size: int, overlap: int
+    prompts: Prompts, rows: list[torch.Tensor], starts: list[int], size: int, overlap: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[batch, n]`` ids and validity of one reconstruction chunk: for every row, its prompt and
     its real tokens ``[start, start + size)``, left-padded to the longest row (a row whose tokens

@@ -23,7 +23,7 @@ from kvpatch.attention import hidden_states
 from kvpatch.cache import CompressedDynamicCache, check_chunk_size
 from kvpatch.feed import keep_system_prefix, prefill_into
 from kvpatch.patching import generate_args
-from kvpatch.policies import Policy, fitted_maps, parse_policy, replay_needed
+from kvpatch.policies import Policy, parse_policy, reconstruction_of
 
 _MISSING = object()
 
@@ -105,8 +105,8 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer
     model : a transformers decoder-only model loaded with sdpa, eager or flash_attention_2.
     policy : a policy string (``"think+snapkv"``) or :class:`~kvpatch.policies.Policy`. With None,
         only caches that carry their own policy are compressed.
-    tokenizer : the model's tokenizer, which ``kvzip`` needs to ask for its context again; found
-        in the model's local checkpoint directory when not given.
+    tokenizer : the model's tokenizer, which a policy that reconstructs its context needs to ask
+        for it again; found in the model's local checkpoint directory when not given.
     """
     policy = parse_policy(policy)
     if is_enabled(model):
@@ -114,7 +114,8 @@ def enable(model: torch.nn.Module, policy: str | Policy | None = None, tokenizer
             "kvpatch is already enabled on this model; call kvpatch.disable(model) first"
         )
     implementation, modules = _check_supported(model)
-    fitted_maps.prepare(model, policy)  # a kvzap policy reads its fitted map now
+    if policy is not None:
+        policy.prepare(model)  # e.g. reads a fitted map: fails now rather than mid-generate
     attention.register()
     patch = _Patch(
         policy, implementation, modules, tokenizer, model.__dict__.get("generate", _MISSING)
@@ -232,8 +233,8 @@ def _generate(model, wrapped, args, kwargs, no_cache_given: bool, dynamic: str |
 def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> None:
     """What a prompt tells the cache before its prefill: the chat template's preamble to keep
     (when a tokenizer was given, to :func:`enable` or ``generate``: none is searched for on every
-    call), the prompt's length under assisted decoding; and for KVzip or a chunked prefill, the
-    prefill itself."""
+    call), the prompt's length under assisted decoding; and for a reconstruction or a chunked
+    prefill, the prefill itself."""
     ids = generate_args.prompt_ids(args, kwargs)
     tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
     policy = cache.policy if cache.policy is not None else policy_of(model)
@@ -243,22 +244,22 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     assisted = ids is not None and generate_args.assisted(model, kwargs)
     cache.prompt_tokens = ids.shape[-1] if assisted else None  # a reused cache: set anew
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
-    fitted_maps.prepare(model, policy)
-    if policy is not None and (replay_needed(policy) or cache.prefill_chunk_size is not None):
+    if policy is None:
+        return
+    policy.prepare(model)
+    if reconstruction_of(policy) is not None or cache.prefill_chunk_size is not None:
         _prefill_for_generate(model, cache, ids, kwargs)
 
 
 def _prefill_for_generate(model, cache: CompressedDynamicCache, input_ids, kwargs) -> None:
-    """Prefill all but the last prompt token before ``generate`` runs, so that a KVzip policy can
+    """Prefill all but the last prompt token before ``generate`` runs, so that the policy can
     reconstruct the prompt, or to prefill it in chunks; ``generate`` then continues from the
     compressed cache."""
     if input_ids is None:
-        why = (
-            "kvzip reconstructs" if cache.prefill_chunk_size is None else "a chunked prefill reads"
-        )
+        why = "a chunked prefill reads" if cache.prefill_chunk_size else "the policy reconstructs"
         raise ValueError(
             f"{why} the prompt from its token ids: pass input_ids to generate "
-            "(inputs_embeds alone cannot be replayed)"
+            "(inputs_embeds alone cannot be read again)"
         )
     if input_ids.shape[1] < 2:
         return

@@ -15,19 +15,26 @@ head) or ``pyramid-`` (layer budgets shrinking with depth): ``"ada-span-kvzip:0.
 from typing import TYPE_CHECKING
 
 from kvpatch.lazy import lazy_exports
-from kvpatch.policies.registry import DEFAULT_POLICY, check_policy_names, policy_names
+from kvpatch.policies.registry import (
+    DEFAULT_POLICY,
+    DOCUMENT_POLICY,
+    check_policy_names,
+    policy_names,
+)
 
 #: each module and the names it gives the package (the imports below, for static tools)
 EXPORTS = {
     "kvpatch.policies.adakv": ("AdaKV",),
     "kvpatch.policies.base": ("ChannelSelector", "Composed", "Policy", "TokenScorer", "compose"),
-    "kvpatch.policies.contract": ("LayerInputs", "Plan", "check_ratio", "replay_needed"),
+    "kvpatch.policies.contract": ("LayerInputs", "Plan", "check_ratio"),
     "kvpatch.policies.expected_attention": ("ExpectedAttention",),
     "kvpatch.policies.keydiff": ("KeyDiff",),
     "kvpatch.policies.knorm": ("Knorm",),
-    "kvpatch.policies.kvzap": ("HiddenStateMap", "KVzap", "hidden_state_scorer"),
+    "kvpatch.policies.fitted_maps": ("HiddenStateMap",),
+    "kvpatch.policies.kvzap": ("KVzap",),
     "kvpatch.policies.kvzip": ("KVzip", "KVzipPlus"),
     "kvpatch.policies.layer_budgets": ("GlobalBudgets",),
+    "kvpatch.policies.needs": ("HiddenStateScorer", "Reconstruction", "reconstruction_of"),
     "kvpatch.policies.parse": ("parse_policy",),
     "kvpatch.policies.pyramid": ("Pyramid",),
     "kvpatch.policies.random": ("RandomScorer",),
@@ -40,6 +47,7 @@ EXPORTS = {
 __all__ = sorted(
     [
         "DEFAULT_POLICY",
+        "DOCUMENT_POLICY",
         "check_policy_names",
         "policy_names",
         *(n for ns in EXPORTS.values() for n in ns),
@@ -50,13 +58,15 @@ __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
 if TYPE_CHECKING:
     from kvpatch.policies.adakv import AdaKV
     from kvpatch.policies.base import ChannelSelector, Composed, Policy, TokenScorer, compose
-    from kvpatch.policies.contract import LayerInputs, Plan, check_ratio, replay_needed
+    from kvpatch.policies.contract import LayerInputs, Plan, check_ratio
     from kvpatch.policies.expected_attention import ExpectedAttention
+    from kvpatch.policies.fitted_maps import HiddenStateMap
     from kvpatch.policies.keydiff import KeyDiff
     from kvpatch.policies.knorm import Knorm
-    from kvpatch.policies.kvzap import HiddenStateMap, KVzap, hidden_state_scorer
+    from kvpatch.policies.kvzap import KVzap
     from kvpatch.policies.kvzip import KVzip, KVzipPlus
     from kvpatch.policies.layer_budgets import GlobalBudgets
+    from kvpatch.policies.needs import HiddenStateScorer, Reconstruction, reconstruction_of
     from kvpatch.policies.parse import parse_policy
     from kvpatch.policies.pyramid import Pyramid
     from kvpatch.policies.random import RandomScorer

@@ -30,6 +30,7 @@ from kvpatch.policies.contract import (
     scores_with_rules,
     select_top,
 )
+from kvpatch.policies.needs import HiddenStateScorer, Reconstruction
 
 #: recent queries kept for compressing again while decoding, unless a policy needs fewer
 DEFAULT_QUERY_WINDOW = 64
@@ -58,22 +59,35 @@ class Policy(ABC):
         return 0
 
     @property
-    def needs_replay(self) -> bool:
-        """Whether the scores come from a context reconstruction (KVzip): the cache then holds
-        the whole prefill until :mod:`kvpatch.feed.reconstruction` has run it."""
-        return False
+    def reconstruction(self) -> Reconstruction | None:
+        """The pass over the context that scores the tokens after the prefill, or None: the
+        cache then holds the whole prefill until :mod:`kvpatch.feed.reconstruction` has run it,
+        which needs the model's tokenizer."""
+        return None
 
     @property
     def needs_all_layers(self) -> bool:
         """Whether :meth:`plan_layers` must see every layer at once (budgets shared across
-        layers): compression then waits for the end of the prefill."""
-        return self.needs_replay
+        layers, or scores from a reconstruction): compression then waits for the end of the
+        prefill."""
+        return self.reconstruction is not None
+
+    @property
+    def hidden_state_scorer(self) -> HiddenStateScorer | None:
+        """What scores each token from its hidden state as it arrives, or None: the cache then
+        keeps every token's score, to rank what it holds again later."""
+        return None
 
     @property
     def needs_hidden_states(self) -> bool:
-        """Whether the scores come from each token's hidden state (KVzap): the attention then
-        hands the policy what it read, and the cache keeps every token's score."""
-        return False
+        """Whether :meth:`plan` reads the hidden states of the layer's tokens: the attention then
+        hands the policy what it read."""
+        return self.hidden_state_scorer is not None
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Load what the policy needs for ``model`` before it runs (a fitted map); called when
+        the policy meets the model (``enable``, ``prefill``, ``generate``)."""
+        return None  # most policies need nothing but the layer's prefill
 
     @abstractmethod
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
@@ -233,16 +247,25 @@ class Composed(Policy):
         return "+".join(p.name for p in parts if p is not None)
 
     @property
-    def needs_replay(self) -> bool:
-        return self.tokens is not None and self.tokens.needs_replay
+    def reconstruction(self) -> Reconstruction | None:
+        return None if self.tokens is None else self.tokens.reconstruction
 
     @property
     def needs_all_layers(self) -> bool:
         return self.tokens is not None and self.tokens.needs_all_layers
 
     @property
+    def hidden_state_scorer(self) -> HiddenStateScorer | None:
+        return None if self.tokens is None else self.tokens.hidden_state_scorer
+
+    @property
     def needs_hidden_states(self) -> bool:
         return self.tokens is not None and self.tokens.needs_hidden_states
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        for part in (self.channels, self.value_channels, self.tokens):
+            if part is not None:
+                part.prepare(model)
 
     @property
     def query_window(self) -> int:

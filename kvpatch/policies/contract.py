@@ -62,9 +62,9 @@ class LayerInputs:
         head_dim]`` (rotate-half convention), or None for a model without one.
     query_positions : long Tensor ``[batch, n_queries]``, the position ids of the queries
         (every real token counted from 0); None at prefill, where they follow from ``valid``.
-    replay_attention : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token got
-        from the queries of a context reconstruction (:mod:`kvpatch.feed.reconstruction`), when the policy
-        asked for one.
+    reconstruction_scores : Tensor ``[batch, kv_heads, tokens]``, the largest attention each token
+        got from the queries of a context reconstruction (:mod:`kvpatch.feed.reconstruction`),
+        when the policy asked for one.
     sink_tokens : leading real tokens the context itself asks to keep (a chat template's system
         prefix), on top of the policy's own ``n_sink``.
     at_start : whether the tokens begin the sequence, so that its leading ones are the sinks
@@ -73,8 +73,7 @@ class LayerInputs:
         layer's prefill when compression waits for every layer (so that its queries need not be
         kept); None: the scorer computes them.
     hidden_states : Tensor ``[batch, tokens, hidden]``, what the attention read for these tokens
-        (after the layer's input norm), for a policy that scores from it (KVzap); None
-        otherwise.
+        (after the layer's input norm), for a policy that scores from it; None otherwise.
     hidden_scores : Tensor ``[batch, kv_heads, tokens]``, such a policy's scores of tokens held
         earlier, computed from their hidden states as they arrived.
     """
@@ -88,7 +87,7 @@ class LayerInputs:
     keep_tokens: int | torch.Tensor | None = None
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     query_positions: torch.Tensor | None = None
-    replay_attention: torch.Tensor | None = None
+    reconstruction_scores: torch.Tensor | None = None
     sink_tokens: int = 0
     at_start: bool = True
     scores: torch.Tensor | None = None
@@ -239,13 +238,6 @@ def select_top(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     count = count.reshape(*count.shape, *([1] * (scores.dim() - count.dim())))
     chosen = (ranks < count).expand_as(scores)
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)
-
-
-def replay_needed(policy) -> bool:
-    """Whether a prefill runs KVzip's reconstruction for ``policy``: not at ratio 0, where every
-    token is kept whatever the scores (no tokenizer, no extra pass, token ids or embeddings)."""
-    tokens = getattr(policy, "tokens", policy)  # a composed policy's token part
-    return policy.needs_replay and tokens.ratio > 0
 
 
 def scores_with_rules(

@@ -1,7 +1,7 @@
-"""The files of fitted KVzap maps: written by ``kvpatch fit-scorer``, read when a ``kvzap`` policy
-meets its model.
+"""Fitted hidden-state maps (:class:`HiddenStateMap`) and their files: written by ``kvpatch
+fit-scorer``, read when a ``kvzap`` policy meets its model.
 
-A file is safetensors: the map's tensors (:class:`~kvpatch.policies.HiddenStateMap`) and a JSON
+A file is safetensors: the map's tensors and a JSON
 header with the format version, the map's kind and layers, the fit's report, the model's identity
 (its config and a SHA-256 of its weights as bfloat16, so that one file serves the model in any
 dtype) and a SHA-256 of the header and the tensors. A file is refused, with the reason, for
@@ -15,12 +15,84 @@ import json
 import os
 import sys
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvpatch.paths import cache_dir
-from kvpatch.policies import HiddenStateMap, Policy, hidden_state_scorer
+
+#: the kinds of map: a linear layer per model layer, or a two-layer MLP per model layer
+MAP_KINDS = ("linear", "mlp")
+
+
+@dataclass
+class HiddenStateMap:
+    """Per model layer, a map from a hidden state ``[..., hidden]`` to one log-score per KV head
+    ``[..., kv_heads]``.
+
+    Attributes
+    ----------
+    kind : ``"linear"`` (``h @ weight + bias``) or ``"mlp"`` (``gelu(h @ weight + bias) @ weight2
+        + bias2``).
+    weight : ``[layers, hidden, kv_heads]`` (linear) or ``[layers, hidden, width]`` (mlp).
+    bias : ``[layers, kv_heads]`` or ``[layers, width]``.
+    weight2, bias2 : the MLP's second layer, ``[layers, width, kv_heads]`` and ``[layers,
+        kv_heads]``; None for a linear map.
+    layers : the model layers the map covers (its full-attention layers), in the order of the
+        tensors' first dimension.
+    """
+
+    kind: str
+    weight: torch.Tensor
+    bias: torch.Tensor
+    layers: list[int]
+    weight2: torch.Tensor | None = None
+    bias2: torch.Tensor | None = None
+    _row: dict[int, int] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in MAP_KINDS:
+            raise ValueError(f"a map's kind is one of {MAP_KINDS}, got {self.kind!r}")
+        if (self.weight2 is None) != (self.kind == "linear"):
+            raise ValueError("a linear map has one layer of weights, an MLP two")
+        self._row = {layer: row for row, layer in enumerate(self.layers)}
+
+    @property
+    def kv_heads(self) -> int:
+        return (self.weight if self.weight2 is None else self.weight2).shape[-1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The map's tensors by name (what a file stores)."""
+        named = {"weight": self.weight, "bias": self.bias}
+        if self.weight2 is not None:
+            named |= {"weight2": self.weight2, "bias2": self.bias2}
+        return named
+
+    def score(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Log-scores ``[batch, kv_heads, tokens]`` of hidden states ``[batch, tokens, hidden]``
+        of layer ``layer_idx``."""
+        row = self._row.get(layer_idx)
+        if row is None:
+            raise ValueError(
+                f"this map covers layers {self.layers}, not layer {layer_idx}: it was "
+                "fitted for another model"
+            )
+        x = hidden.to(self.weight.dtype)
+        out = x @ self.weight[row].to(x.device) + self.bias[row].to(x.device)
+        if self.weight2 is not None:
+            out = torch.nn.functional.gelu(out) @ self.weight2[row].to(x.device)
+            out = out + self.bias2[row].to(x.device)
+        return out.transpose(-1, -2)
+
+    def to(self, device: torch.device | str) -> HiddenStateMap:
+        moved = {name: t.to(device) for name, t in self.tensors().items()}
+        return HiddenStateMap(self.kind, layers=self.layers, **moved)
+
 
 FORMAT = "kvpatch-kvzap"
 FORMAT_VERSION = 1
@@ -108,7 +180,7 @@ def load_map(path: str | os.PathLike, model: torch.nn.Module) -> HiddenStateMap:
     if not path.is_file():
         raise ValueError(
             f"no fitted kvzap map at {path}: fit one for this model first with\n"
-            "    kvpatch fit-scorer --model MODEL   (or kvpatch.tools.fitting.fit_kvzap)\n"
+            "    kvpatch fit-scorer --model MODEL   (or kvpatch.tools.fitting.fit_map)\n"
             "or give its file as KVzap(path=...) / 'kvzap/path=FILE'"
         )
     header = _read_header(path)
@@ -123,21 +195,6 @@ def load_map(path: str | os.PathLike, model: torch.nn.Module) -> HiddenStateMap:
     device = next(model.parameters()).device
     tensors = {name: t.to(device) for name, t in tensors.items()}
     return HiddenStateMap(header["kind"], layers=list(header["layers"]), **tensors)
-
-
-def prepare(model: torch.nn.Module, policy: Policy | None) -> None:
-    """Give the ``kvzap`` scorer inside ``policy`` (if any) its map for ``model``: from its
-    ``path``, else from the model's :func:`default_path`; kept while the model stays the same."""
-    scorer = hidden_state_scorer(policy)
-    if scorer is None:
-        return
-    if scorer.map is not None and scorer.model_key is None:
-        return  # a map given by hand (KVzap.use_map): the caller vouches for it
-    key = model_key(model)
-    if scorer.map is not None and scorer.model_key == key:
-        return
-    path = Path(scorer.path).expanduser() if scorer.path else default_path(model)
-    scorer.use_map(load_map(path, model), key)
 
 
 def _read_header(path: Path) -> dict:

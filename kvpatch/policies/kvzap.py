@@ -11,83 +11,15 @@ in a prefill, in every chunk of a chunked one, in a turn appended later and whil
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from kvpatch.policies.base import Policy, TokenScorer
+from kvpatch.policies import fitted_maps
+from kvpatch.policies.base import TokenScorer
 from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
-
-#: the kinds of map: a linear layer per model layer, or a two-layer MLP per model layer
-MAP_KINDS = ("linear", "mlp")
-
-
-@dataclass
-class HiddenStateMap:
-    """Per model layer, a map from a hidden state ``[..., hidden]`` to one log-score per KV head
-    ``[..., kv_heads]``.
-
-    Attributes
-    ----------
-    kind : ``"linear"`` (``h @ weight + bias``) or ``"mlp"`` (``gelu(h @ weight + bias) @ weight2
-        + bias2``).
-    weight : ``[layers, hidden, kv_heads]`` (linear) or ``[layers, hidden, width]`` (mlp).
-    bias : ``[layers, kv_heads]`` or ``[layers, width]``.
-    weight2, bias2 : the MLP's second layer, ``[layers, width, kv_heads]`` and ``[layers,
-        kv_heads]``; None for a linear map.
-    layers : the model layers the map covers (its full-attention layers), in the order of the
-        tensors' first dimension.
-    """
-
-    kind: str
-    weight: torch.Tensor
-    bias: torch.Tensor
-    layers: list[int]
-    weight2: torch.Tensor | None = None
-    bias2: torch.Tensor | None = None
-    _row: dict[int, int] = field(init=False, repr=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kind not in MAP_KINDS:
-            raise ValueError(f"a map's kind is one of {MAP_KINDS}, got {self.kind!r}")
-        if (self.weight2 is None) != (self.kind == "linear"):
-            raise ValueError("a linear map has one layer of weights, an MLP two")
-        self._row = {layer: row for row, layer in enumerate(self.layers)}
-
-    @property
-    def kv_heads(self) -> int:
-        return (self.weight if self.weight2 is None else self.weight2).shape[-1]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.weight.shape[1]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The map's tensors by name (what a file stores)."""
-        named = {"weight": self.weight, "bias": self.bias}
-        if self.weight2 is not None:
-            named |= {"weight2": self.weight2, "bias2": self.bias2}
-        return named
-
-    def score(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Log-scores ``[batch, kv_heads, tokens]`` of hidden states ``[batch, tokens, hidden]``
-        of layer ``layer_idx``."""
-        row = self._row.get(layer_idx)
-        if row is None:
-            raise ValueError(
-                f"this kvzap map covers layers {self.layers}, not layer {layer_idx}: it was "
-                "fitted for another model"
-            )
-        x = hidden.to(self.weight.dtype)
-        out = x @ self.weight[row].to(x.device) + self.bias[row].to(x.device)
-        if self.weight2 is not None:
-            out = torch.nn.functional.gelu(out) @ self.weight2[row].to(x.device)
-            out = out + self.bias2[row].to(x.device)
-        return out.transpose(-1, -2)
-
-    def to(self, device: torch.device | str) -> HiddenStateMap:
-        moved = {name: t.to(device) for name, t in self.tensors().items()}
-        return HiddenStateMap(self.kind, layers=self.layers, **moved)
+from kvpatch.policies.fitted_maps import HiddenStateMap
 
 
 @dataclass
@@ -125,8 +57,19 @@ class KVzap(TokenScorer):
         self.model_key: str | None = None  # which model the map was checked against
 
     @property
-    def needs_hidden_states(self) -> bool:
-        return True
+    def hidden_state_scorer(self) -> KVzap:
+        return self
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Read the map for ``model``: from ``path``, else from the model's default file; kept
+        while the model stays the same."""
+        if self.map is not None and self.model_key is None:
+            return  # a map given by hand (use_map): the caller vouches for it
+        key = fitted_maps.model_key(model)
+        if self.map is not None and self.model_key == key:
+            return
+        path = Path(self.path).expanduser() if self.path else fitted_maps.default_path(model)
+        self.use_map(fitted_maps.load_map(path, model), key)
 
     @property
     def query_window(self) -> int:
@@ -156,10 +99,3 @@ class KVzap(TokenScorer):
                 "on an enabled model only: call kvpatch.enable(model) first"
             )
         return self.hidden_scores(inputs.hidden_states, inputs.layer_idx)
-
-
-def hidden_state_scorer(policy: Policy | None) -> KVzap | None:
-    """The :class:`KVzap` inside ``policy`` (composed, head-wise, global, spread), or None."""
-    while policy is not None and not isinstance(policy, KVzap):
-        policy = getattr(policy, "tokens", None) or getattr(policy, "scorer", None)
-    return policy

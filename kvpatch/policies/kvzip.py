@@ -8,13 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import (
-    DEFAULT_SINKS,
-    LayerInputs,
-    check_ratio,
-    check_sinks,
-    replay_needed,
-)
+from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
+from kvpatch.policies.needs import Reconstruction, reconstruction_of
 
 #: how KVzip asks the model to reconstruct the context: the first chunk, then the later ones,
 #: which are followed by the last tokens of the chunk before them
@@ -29,10 +24,11 @@ NORMALISATIONS = ("chunk", "context")
 class KVzip(TokenScorer):
     """Score each token by the largest attention it gets while the model repeats the context.
 
-    After the context's prefill, :mod:`kvpatch.feed.reconstruction` feeds the model a repeat request and the
-    context again, teacher-forced, through the uncompressed cache, ``chunk_size`` context tokens
-    at a time. A (KV head, token) pair scores the largest attention weight any reconstruction
-    query of its GQA group gives it. Tokens a model needs to reproduce its context are the tokens
+    After the context's prefill, the model reads a repeat request and the context again,
+    teacher-forced, through the uncompressed cache, ``chunk_size`` context tokens at a time (the
+    :attr:`reconstruction` this policy declares, run by :mod:`kvpatch.feed.reconstruction`). A
+    (KV head, token) pair scores the largest attention weight any reconstruction query of its GQA
+    group gives it. Tokens a model needs to reproduce its context are the tokens
     any later question can need, so the scores do not depend on the question.
 
     With ``normalise="chunk"`` (the authors' scoring), a query's weights are a softmax over the
@@ -88,19 +84,27 @@ class KVzip(TokenScorer):
             )
 
     @property
-    def needs_replay(self) -> bool:
-        return True
+    def reconstruction(self) -> Reconstruction:
+        return Reconstruction(
+            first_prompt=REPEAT_PROMPT,
+            continue_prompt=CONTINUE_PROMPT,
+            chunk_size=self.chunk_size,
+            overlap=self.overlap,
+            sinks=self.n_sink,
+            local=self.normalise == "chunk",
+            weighted=self.weighted,
+        )
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        if inputs.replay_attention is None and not replay_needed(self):
+        if inputs.reconstruction_scores is None and reconstruction_of(self) is None:
             return torch.zeros(inputs.keys.shape[:-1], device=inputs.keys.device)  # all kept
-        if inputs.replay_attention is None:
+        if inputs.reconstruction_scores is None:
             raise ValueError(
                 f"{self.name} scores tokens from a reconstruction of the whole context, which "
                 "only a prefill can provide (kvpatch.prefill, or generate on an enabled model); "
                 "it cannot be used to compress while decoding (decode_budget)"
             )
-        return inputs.replay_attention.float().clone()
+        return inputs.reconstruction_scores.float().clone()
 
 
 @dataclass

@@ -14,7 +14,15 @@ import importlib
 #: triples a prefill) and works everywhere a compressed cache goes (chunked prefills, bounded
 #: chats, decode budgets). Its window keeps a short prompt's question whole, as SnapKV's does.
 DEFAULT_POLICY = "keydiff:0.5/window=64"
+#: for a context compressed once and asked often (``kvpatch compress``): KVzip's reconstruction
+#: costs about two more prefills, paid once, and its scores do not depend on the question
+DOCUMENT_POLICY = "global-kvzip:0.75"
+DOCUMENT_POLICY_REASON = "compressed once and asked often, a document is worth KVzip's extra pass"
 DEFAULT_RATIO = 0.5
+#: the policy that scores tokens with a fitted map (``kvpatch fit-scorer`` fits it)
+HIDDEN_STATE_POLICY = "kvzap"
+#: the policy whose scores that map is fitted to (KVzap's paper fits KVzip+'s)
+TARGET_POLICY = "kvzip-plus"
 
 #: token scorers by name, as ``module:class`` under kvpatch.policies; each also exists with the
 #: prefix ``span-`` and every prefix of :data:`BUDGET_PREFIXES`

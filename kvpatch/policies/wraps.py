@@ -1,5 +1,5 @@
 """Policies around a token scorer (head-wise, global or layer budgets, spans) share its ratio,
-protected tokens, replay and query window through :class:`WrapsScorer`."""
+protected tokens, needs and query window through :class:`WrapsScorer`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import torch
 
 from kvpatch.policies.base import TokenScorer
 from kvpatch.policies.contract import LayerInputs
+from kvpatch.policies.needs import HiddenStateScorer, Reconstruction
 
 
 class WrapsScorer:
     """Mixin for a policy around a token scorer (``self.scorer``): the ratio, the protected
-    tokens and the need for a replay are the scorer's."""
+    tokens and what it needs (a reconstruction, hidden states, a fitted map) are the
+    scorer's."""
 
     scorer: TokenScorer
 
@@ -42,12 +44,19 @@ class WrapsScorer:
         return self.scorer.n_sink
 
     @property
-    def needs_replay(self) -> bool:
-        return self.scorer.needs_replay
+    def reconstruction(self) -> Reconstruction | None:
+        return self.scorer.reconstruction
+
+    @property
+    def hidden_state_scorer(self) -> HiddenStateScorer | None:
+        return self.scorer.hidden_state_scorer
 
     @property
     def needs_hidden_states(self) -> bool:
         return self.scorer.needs_hidden_states
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        self.scorer.prepare(model)
 
     @property
     def query_window(self) -> int:

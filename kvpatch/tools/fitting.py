@@ -1,10 +1,11 @@
-"""Fit a KVzap map (:class:`~kvpatch.policies.KVzap`) for a model: ``kvpatch fit-scorer``.
+"""Fit a hidden-state scorer's map (:class:`~kvpatch.policies.HiddenStateMap`) for a model:
+``kvpatch fit-scorer``.
 
 For each training document, the model prefills it (in the chat template's user turn, as the
-pipeline renders a context) and KVzip+ reconstructs it (:class:`~kvpatch.policies.KVzipPlus`);
-the target of each (full-attention layer, KV head, token) is the log of its KVzip+ score, the
-feature the hidden state that layer's attention read for the token. Per layer, a closed-form ridge
-regression (``kind="linear"``; its strength chosen on held-out text) or a two-layer MLP
+pipeline renders a context) and the target policy reconstructs it
+(:data:`~kvpatch.policies.registry.TARGET_POLICY`); the target of each (full-attention layer,
+KV head, token) is the log of its score, the feature the hidden state that layer's attention read
+for the token. Per layer, a closed-form ridge regression (``kind="linear"``; its strength chosen on held-out text) or a two-layer MLP
 (``kind="mlp"``) maps features to targets. The leading tokens every policy keeps anyway (the
 sinks, the chat template's preamble) are left out of the fit.
 
@@ -28,7 +29,8 @@ from kvpatch.cache import CompressedDynamicCache, CompressedLayer
 from kvpatch.feed import reconstruction
 from kvpatch.patching import disable, enable, is_enabled
 from kvpatch.pipeline import context_text
-from kvpatch.policies import HiddenStateMap, KVzipPlus, fitted_maps
+from kvpatch.policies import HiddenStateMap, TokenScorer, fitted_maps, parse_policy
+from kvpatch.policies.registry import HIDDEN_STATE_POLICY, TARGET_POLICY
 from kvpatch.tools.regression import (
     Moments,
     best_ridge,
@@ -39,7 +41,7 @@ from kvpatch.tools.regression import (
 )
 from kvpatch.tools.training_text import documents, sample_texts
 
-#: the floor under KVzip+ scores before their log (a token no query attends)
+#: the floor under the target's scores before their log (a token no query attends)
 SCORE_FLOOR = 1e-9
 
 Progress = Callable[[str], None]
@@ -51,17 +53,18 @@ def _quiet(message: str) -> None:
 
 @torch.no_grad()
 def features_and_targets(
-    model, tokenizer, document: str, scorer: KVzipPlus | None = None
+    model, tokenizer, document: str, target: TokenScorer | None = None
 ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """For one document: the full-attention layers, and per layer the hidden states ``[tokens,
-    hidden]`` its attention read and the log KVzip+ targets ``[tokens, kv_heads]``, the leading
+    hidden]`` its attention read and the log target scores ``[tokens, kv_heads]``, the leading
     tokens every policy keeps left out."""
-    scorer = scorer or KVzipPlus()
+    target = target or parse_policy(TARGET_POLICY)
+    declared = target.reconstruction
     before, _ = context_text(tokenizer, document)  # as `kvpatch compress` prefills it
     ids = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(next(model.parameters()).device)
     mask = torch.ones_like(ids)
-    cache = CompressedDynamicCache(config=model.config, policy=scorer)
+    cache = CompressedDynamicCache(config=model.config, policy=target)
     hidden: dict[int, torch.Tensor] = {}
     hooks = [
         module.register_forward_pre_hook(_recorder(hidden), with_kwargs=True)
@@ -79,16 +82,16 @@ def features_and_targets(
     finally:
         for hook in hooks:
             hook.remove()
-    prompts = reconstruction.RepeatPrompts(tokenizer, ids.device)
-    reconstruction.reconstruct(model, cache, ids, mask, prompts, scorer)
-    skip = max(scorer.n_sink, reconstruction.system_prefix_length(tokenizer, ids, mask))
+    prompts = reconstruction.Prompts(tokenizer, declared, ids.device, target.name)
+    reconstruction.reconstruct(model, cache, ids, mask, prompts, declared)
+    skip = max(declared.sinks, reconstruction.system_prefix_length(tokenizer, ids, mask))
     layers, xs, ys = [], [], []
     for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, CompressedLayer) or layer.replay_attention is None:
+        if not isinstance(layer, CompressedLayer) or layer.reconstruction_scores is None:
             continue
         layers.append(index)
         xs.append(hidden[index][0, skip:].float().cpu())
-        scores = layer.replay_attention[0, :, skip:].float().cpu()  # [kv_heads, tokens]
+        scores = layer.reconstruction_scores[0, :, skip:].float().cpu()  # [kv_heads, tokens]
         ys.append(scores.clamp(min=SCORE_FLOOR).log().T.contiguous())
     return layers, xs, ys
 
@@ -113,7 +116,7 @@ class _Layer:
     test_y: list[torch.Tensor] = field(default_factory=list)
 
 
-def fit_kvzap(
+def fit_map(
     model,
     tokenizer,
     texts: list[str],
@@ -182,7 +185,8 @@ def _collect(model, tokenizer, texts, held_out, keep_tokens, progress):
                     entry.train_y.append(y)
             progress(
                 f"document {number + 1}/{len(texts)} ({'held out' if test else 'training'}): "
-                f"{xs[0].shape[0]} tokens scored by KVzip+ in {time.perf_counter() - start:.1f} s"
+                f"{xs[0].shape[0]} tokens scored by {TARGET_POLICY} in "
+                f"{time.perf_counter() - start:.1f} s"
             )
     finally:
         if not was_enabled:
@@ -222,13 +226,13 @@ def run(args: argparse.Namespace) -> int:
         texts = documents(
             sample_texts(model, tokenizer, args.samples, args.sample_tokens, progress=say)
         )
-    hidden_map, report = fit_kvzap(
+    hidden_map, report = fit_map(
         model, tokenizer, texts, kind=args.kind, held_out=args.held_out, progress=say
     )
     out = args.out or fitted_maps.default_path(model)
     fitted_maps.save_map(out, hidden_map, model, report)
     print(
-        f"kvzap map ({args.kind}, {len(hidden_map.layers)} layers, held-out R2 "
+        f"{HIDDEN_STATE_POLICY} map ({args.kind}, {len(hidden_map.layers)} layers, held-out R2 "
         f"{report['mean_r2']:.3f}, rank correlation {report['mean_rank_correlation']:.3f}) "
         f"written to {out}"
     )

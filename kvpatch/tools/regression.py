@@ -1,5 +1,5 @@
 """Closed-form ridge regression from streamed sums, a small MLP, and the fit's measures: what
-``kvpatch fit-scorer`` fits a KVzap map with."""
+``kvpatch fit-scorer`` fits a hidden-state map with."""
 
 from __future__ import annotations
 

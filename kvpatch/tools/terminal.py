@@ -1,6 +1,6 @@
 """What the commands show on a terminal besides the answer: progress bars over the prefill and
-KVzip's reconstruction, the decode speed without the prefill, and kvpatch's own warnings said as
-the commands say their errors."""
+a policy's reconstruction, the decode speed without the prefill, and kvpatch's own warnings said
+as the commands say their errors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class _LayerProgress:
     """Advances a bar by a layer's share of a forward's tokens as each decoder layer finishes:
     the prompt's tokens first ("prefill", closed at 100%), then the tokens of any further forward
-    over many tokens before the first decode step ("reconstruction": KVzip's second pass)."""
+    over many tokens before the first decode step ("reconstruction": a policy's second pass)."""
 
     def __init__(self, tqdm, tokens: int, layers: int):
         self.tqdm, self.layers = tqdm, layers
@@ -62,7 +62,7 @@ class _LayerProgress:
 @contextlib.contextmanager
 def prefill_bar(model, ids: torch.Tensor):
     """Progress bars on stderr over the prompt's tokens, advanced as each decoder layer finishes
-    (so that a long single-forward prefill moves too), and over KVzip's reconstruction; both are
+    (so that a long single-forward prefill moves too), and over a policy's reconstruction; both are
     left at 100% on lines of their own. Yields their owner (None without tqdm), whose ``close``
     a :class:`TimedStream` calls before the first new token, so that the answer starts on a
     fresh line; they are closed at the first decode step or the block's end otherwise."""

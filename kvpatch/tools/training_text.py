@@ -1,4 +1,4 @@
-"""Training text a model writes itself, for fitting its KVzap map without a data set: general
+"""Training text a model writes itself, for fitting its hidden-state map without a data set: general
 prose sampled from a few seed prompts (no planted facts, nothing built like the evaluation's
 haystacks)."""
 

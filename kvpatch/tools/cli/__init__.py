@@ -5,7 +5,7 @@
     kvpatch chat                      # the embedded SmolLM2, a compressed history
     kvpatch compress report.txt --out report.kvz      # compress a document once, to a file
     kvpatch ask report.kvz "Who wrote it?" "When?"     # answer from it, in any later process
-    kvpatch eval --policies snapkv global-kvzip --samples 5
+    kvpatch eval --policies snapkv ada-snapkv --samples 5
     kvpatch bench --context 4096 --policies snapkv:0.75 ada-snapkv:0.75
 
 ``--model`` takes ``demo`` (the default: SmolLM2-135M-Instruct, fetched once from PyPI),
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpatch.policies.registry import check_policy_names
+from kvpatch.policies.registry import HIDDEN_STATE_POLICY, check_policy_names
 from kvpatch.tools.cli import bench, conversation, documents, fit_scorer
 from kvpatch.tools.eval import cli as eval_cli
 
@@ -29,7 +29,7 @@ from kvpatch.tools.eval import cli as eval_cli
 DELEGATED = {
     "eval": (eval_cli, "the evaluation harness"),
     "bench": (bench, "decode speed and bytes"),
-    "fit-scorer": (fit_scorer, "fit the kvzap scorer of a model"),
+    "fit-scorer": (fit_scorer, f"fit the {HIDDEN_STATE_POLICY} scorer of a model"),
 }
 
 

@@ -7,11 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpatch.policies.registry import DOCUMENT_POLICY, DOCUMENT_POLICY_REASON
 from kvpatch.tools.cli.conversation import COMPARE_HELP
 from kvpatch.tools.loading import add_attention_option, add_model_options, add_new_tokens_option
-
-COMPRESS_POLICY = "global-kvzip:0.75"
-COMPRESS_REASON = "compressed once and asked often, a document is worth KVzip's extra pass"
 
 
 def add_parsers(commands) -> None:
@@ -21,7 +19,7 @@ def add_parsers(commands) -> None:
     compress.set_defaults(run=run_compress)
     compress.add_argument("file", help="the document, a text file")
     compress.add_argument("--out", required=True, help="the context file to write (e.g. doc.kvz)")
-    add_model_options(compress, COMPRESS_POLICY, new_tokens=False, reason=COMPRESS_REASON)
+    add_model_options(compress, DOCUMENT_POLICY, new_tokens=False, reason=DOCUMENT_POLICY_REASON)
     ask = commands.add_parser("ask", help="answer questions from a file of `kvpatch compress`")
     ask.set_defaults(run=run_ask)
     ask.add_argument("context_file", help="a file written by kvpatch compress")

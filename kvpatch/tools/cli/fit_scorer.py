@@ -6,14 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpatch.policies.registry import HIDDEN_STATE_POLICY, TARGET_POLICY
 from kvpatch.tools.loading import add_model_options
 
 
 def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Fit the kvzap scorer of a model: a map from each token's hidden state to "
-        "its KVzip+ score, written where the kvzap policy finds it.",
+        description=f"Fit the {HIDDEN_STATE_POLICY} scorer of a model: a map from each token's "
+        f"hidden state to its {TARGET_POLICY} score, written where the {HIDDEN_STATE_POLICY} "
+        "policy finds it.",
     )
     add_model_options(parser, policy=None, new_tokens=False)
     parser.add_argument(
@@ -28,7 +30,8 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="the map's file (default: the model's file in the kvpatch cache, where kvzap looks)",
+        help="the map's file (default: the model's file in the kvpatch cache, where "
+        f"{HIDDEN_STATE_POLICY} looks)",
     )
     parser.add_argument(
         "--kind",

@@ -153,7 +153,7 @@ def answer_shared(
         cache = copy.deepcopy(context_cache)
     else:
         cache = prefill.cache(model, policy, split, tokenizer)
-        reused = prefill.reused_replay_s  # a reconstruction shared with another ratio
+        reused = prefill.reused_reconstruction_s  # a reconstruction shared with another ratio
     compress_s = time.perf_counter() - start + reused
     logits = prefill.logits if split == ids.shape[1] else None
     if policy is not None and not kvpatch.is_enabled(model):
@@ -194,7 +194,7 @@ def build_context_cache(
         cache = build_chat(model, sample, spec, tokenizer, prefill_options)
     elif prefill is not None:
         cache = prefill.cache(model, spec, sample.context_ids.shape[0], tokenizer)
-        reused = prefill.reused_replay_s
+        reused = prefill.reused_reconstruction_s
     else:
         cache = build_context(model, sample, spec, tokenizer, prefill_options)
     return cache, time.perf_counter() - start + reused

@@ -91,7 +91,8 @@ class HFCodec(Codec):
 class ByteCodec(Codec):
     """One token per byte (ids 0-255): for tiny random models, which need no tokenizer.
 
-    Callable like a tokenizer without a chat template, for what needs one (KVzip's prompt).
+    Callable like a tokenizer without a chat template, for what needs one (a reconstruction's
+    prompt).
     """
 
     chat_template = None

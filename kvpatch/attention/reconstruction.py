@@ -1,15 +1,15 @@
-"""Attention of a KVzip reconstruction chunk (:mod:`kvpatch.feed.reconstruction`), which needs its weights: each
-layer records, per scored token and KV head, the largest weight any query of the head's GQA group
-gives it.
+"""Attention of a reconstruction chunk (:mod:`kvpatch.feed.reconstruction`), which needs its
+weights: each layer records, per scored token and KV head, the largest weight any query of the
+head's GQA group gives it.
 
-- :func:`score_locally` (``normalise="chunk"``, the authors' scoring): the stock kernel computes
-  the output; the weights are a softmax over the sinks, the context tokens the chunk repeats and
-  the chunk itself, a few queries at a time.
-- :func:`attend` (``normalise="context"``, and turns appended to a compressed context): output and
+- :func:`score_locally` (a ``local`` reconstruction): the stock kernel computes the output; the
+  weights are a softmax over the sinks, the context tokens the chunk repeats and the chunk
+  itself, a few queries at a time.
+- :func:`attend` (over the whole context, and turns appended to a compressed context): output and
   weights over everything held, in fp32, a few queries at a time.
 
-For KVzip+ each weight is multiplied by ``||W_o[g] v||`` (:func:`output_norms`) and divided by the
-norm of the query's hidden state.
+For a ``weighted`` reconstruction each weight is multiplied by ``||W_o[g] v||``
+(:func:`output_norms`) and divided by the norm of the query's hidden state.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 
 from kvpatch.attention.kernels import workspace_elements
-from kvpatch.cache import ReplayRequest
+from kvpatch.cache import ReconstructionRequest
 
 #: fp32 weights :func:`score_locally` computes at a time on a CPU (8 MiB; on a GPU a share of its
 #: free memory, :func:`~kvpatch.attention.kernels.workspace_elements`)
@@ -29,7 +29,7 @@ ATTEND_ELEMENTS = 1 << 20
 
 
 def attend(
-    module, query, key, value, request: ReplayRequest, scaling: float, softcap: float | None
+    module, query, key, value, request: ReconstructionRequest, scaling: float, softcap: float | None
 ) -> tuple[torch.Tensor, None]:
     """Exact attention of a reconstruction chunk over what the layer holds and the chunk, in
     fp32, normalised over all of it; records the scores and returns the output. A few queries
@@ -41,7 +41,7 @@ def attend(
     chunk, first_scored = request.chunk, request.scored_from
     queries = (query.float() * scaling).view(batch, kv_heads, group, q_len, dim)
     keys, values = key.float().transpose(-1, -2), value.float()
-    if chunk.hidden_norms is not None:  # KVzip+: ||W_o[g] v|| over the queries' ||h||
+    if chunk.hidden_norms is not None:  # weighted: ||W_o[g] v|| over the queries' ||h||
         value_norms = output_norms(module, values[:, :, first_scored:held], group)[..., None, :]
         hidden = chunk.hidden_norms[module.layer_idx].clamp(min=1e-6)[:, None, None, :, None]
     held_visible = request.held_valid[:, :, None, :]  # [b, 1 or kv_heads, 1, held]
@@ -76,15 +76,15 @@ def attend(
         block_best = scored.amax(dim=(2, 3))
         best = block_best if best is None else best.maximum(block_best)
         output[:, :, :, first:last] = weights @ values[:, :, None]
-    request.layer.record_replay_attention(best)
+    request.layer.record_reconstruction_scores(best)
     output = output.reshape(batch, q_heads, q_len, -1).transpose(1, 2).contiguous()
     return output.to(query.dtype), None
 
 
 def score_locally(
-    module, query, key, value, request: ReplayRequest, scaling: float, softcap: float | None
+    module, query, key, value, request: ReconstructionRequest, scaling: float, softcap: float | None
 ) -> None:
-    """Record the scores of a waiting prefill as KVzip's authors compute them: each query's
+    """Record the scores of a waiting prefill, scored locally: each query's
     softmax over the chunk's :class:`~kvpatch.cache.LocalColumns` and the chunk's own keys, max
     over the GQA group and the chunk's real queries (0 for tokens outside the chunk).
     ``key``/``value`` are the held prefill then the chunk. At most
@@ -102,7 +102,7 @@ def score_locally(
 
     keys = torch.cat([gather(key), key[:, :, held:].float()], dim=2).transpose(-1, -2)
     queries = (query.float() * scaling).view(batch, kv_heads, group, q_len, dim)
-    if chunk.hidden_norms is not None:  # KVzip+: ||W_o[g] v|| over the queries' ||h||
+    if chunk.hidden_norms is not None:  # weighted: ||W_o[g] v|| over the queries' ||h||
         value_norms = output_norms(module, gather(value), group)[..., None, :]
         hidden = chunk.hidden_norms[module.layer_idx].clamp(min=1e-6)[:, None, None, :, None]
     best = keys.new_zeros(batch, kv_heads, columns)
@@ -122,7 +122,7 @@ def score_locally(
         best = best.maximum(weights.amax(dim=(2, 3)))
     full = best.new_zeros(batch, kv_heads, held)
     spread = index[:, None, :].expand(-1, kv_heads, -1)
-    request.layer.record_replay_attention(full.scatter_reduce_(2, spread, best, reduce="amax"))
+    request.layer.record_reconstruction_scores(full.scatter_reduce_(2, spread, best, reduce="amax"))
 
 
 def _workspace(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""A reconstruction chunk in progress (:mod:`kvpatch.feed.reconstruction`): its tokens are attended over what a
-layer holds, and forgotten afterwards. Shared by every layer of the chunk, it holds the masks and
-workspaces they all use."""
+"""A reconstruction chunk in progress (:mod:`kvpatch.feed.reconstruction`): its tokens are
+attended over what a layer holds, and forgotten afterwards. Shared by every layer of the chunk, it
+holds the masks and workspaces they all use."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpatch.cache.requests import ReplayRequest, post
+from kvpatch.cache.requests import ReconstructionRequest, post
 
 if TYPE_CHECKING:
     from kvpatch.cache.layer import CompressedLayer
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class LocalColumns:
-    """The held columns a chunk's softmax runs over when scored as KVzip's authors do: per row,
+    """The held columns a chunk's softmax runs over when scored locally: per row,
     the sinks and the context tokens the chunk reconstructs. ``index`` ``[batch, columns]`` are
     positions in the held prefill, ``valid`` marks the real ones (rows differ in length)."""
 
@@ -51,12 +51,13 @@ class LocalColumns:
 
 
 @dataclass
-class ReplayChunk:
+class ReconstructionChunk:
     """``query_valid`` ``[batch, chunk]`` marks the chunk's real tokens; ``prefill_valid``
     ``[batch, prefill]`` the real tokens of a prefill that waits for its scores. ``local``: the
     columns of the authors' softmax, or None to normalise over everything held.
     ``hidden_norms``: per layer index, ``[batch, chunk]`` norms of the hidden states the
-    attention reads (KVzip+), filled by hooks during the forward; None for plain KVzip."""
+    attention reads (a weighted reconstruction), filled by hooks during the forward; None
+    otherwise."""
 
     query_valid: torch.Tensor
     prefill_valid: torch.Tensor
@@ -106,11 +107,11 @@ class ReplayChunk:
         scored_from: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``layer`` holds, then the chunk's ``keys``/``values`` (not stored), posted with a
-        :class:`~kvpatch.cache.requests.ReplayRequest`. ``held_valid`` None: the held tokens are a
-        waiting prefill, :attr:`prefill_valid`."""
+        :class:`~kvpatch.cache.requests.ReconstructionRequest`. ``held_valid`` None: the held
+        tokens are a waiting prefill, :attr:`prefill_valid`."""
         if held_valid is None:
             held_valid = self.prefill_held_valid
-        request = ReplayRequest(layer, self, held_valid, scored_from)
+        request = ReconstructionRequest(layer, self, held_valid, scored_from)
         keys = torch.cat([held_keys, keys], dim=-2)
         return post(keys, request), torch.cat([held_values, values], dim=-2)
 
@@ -126,28 +127,30 @@ def _chunk_visibility(query_valid: torch.Tensor) -> torch.Tensor:
 
 class Reconstructed:
     """Mixin of :class:`~kvpatch.cache.CompressedLayer`: how it serves a reconstruction chunk
-    (``replay``) and keeps the attention its tokens got (``replay_attention``)."""
+    (``reconstructing``) and keeps the attention its tokens got (``reconstruction_scores``)."""
 
-    replay: ReplayChunk | None
-    replay_attention: torch.Tensor | None
+    reconstructing: ReconstructionChunk | None
+    reconstruction_scores: torch.Tensor | None
 
-    def _replay_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
+    def _reconstruction_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""
-        if self.replay is None:
+        if self.reconstructing is None:
             raise ValueError(
-                "this cache waits for a context reconstruction (the policy scores tokens with "
-                "KVzip) before it is compressed: prefill with kvpatch.prefill(model, ids) or "
-                "model.generate on an enabled model, not with a plain forward"
+                "this cache waits for a context reconstruction (its policy scores tokens by "
+                "asking the model to repeat its context) before it is compressed: prefill with "
+                "kvpatch.prefill(model, ids) or model.generate on an enabled model, not with a "
+                "plain forward"
             )
         if self.deferred is not None:
-            return self.replay.view(self, self.keys, self.values, None, key_states, value_states)
+            held = self.keys, self.values, None
+            return self.reconstructing.view(self, *held, key_states, value_states)
         keys, values, held_valid = *self.store.dense(), self.store.slot_valid()
         scored_from = self.store.packed.max_length  # only the tail is scored
-        return self.replay.view(
+        return self.reconstructing.view(
             self, keys, values, held_valid, key_states, value_states, scored_from
         )
 
-    def record_replay_attention(self, attention: torch.Tensor) -> None:
+    def record_reconstruction_scores(self, attention: torch.Tensor) -> None:
         """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
-        previous = self.replay_attention
-        self.replay_attention = attention if previous is None else previous.maximum(attention)
+        previous = self.reconstruction_scores
+        self.reconstruction_scores = attention if previous is None else previous.maximum(attention)
