@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, CompressedLayer, compat
+from kvpatch.cache.lifecycle import Phase
 
 
 def test_installed_release_is_in_the_supported_range():
@@ -48,7 +49,7 @@ def test_get_mask_sizes_counts_the_query_as_the_installed_release_passes_it():
     stock, ours = DynamicLayer(), CompressedLayer()
     stock.update(keys, keys.clone())
     ours.update(keys, keys.clone())
-    ours.awaiting_compression = False  # as after an uncompressed prefill
+    ours.lifecycle.move(Phase.DENSE)  # as after an uncompressed prefill
     parameter = list(inspect.signature(DynamicLayer.get_mask_sizes).parameters)[1]
     query = {"cache_position": torch.arange(6, 9), "query_length": 3}[parameter]
     assert ours.get_mask_sizes(query) == stock.get_mask_sizes(query) == (9, 0)

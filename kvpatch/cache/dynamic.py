@@ -130,6 +130,11 @@ class CompressedDynamicCache(DynamicCache):
         """Layers holding their whole prefill until :meth:`compress_deferred`."""
         return [layer for layer in self.compressed_layers if layer.deferred is not None]
 
+    @property
+    def stored_layers(self) -> list[CompressedLayer]:
+        """Layers whose store holds what their policy kept (not waiting, not kept dense)."""
+        return [layer for layer in self.compressed_layers if layer.is_compressed]
+
     def crop(self, max_length: int) -> None:
         # Layers that wait for every layer's prefill (shared budgets) are compressed first, as
         # the next forward would: their plan must cover the tokens they hold (transformers crops

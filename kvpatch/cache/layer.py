@@ -1,4 +1,6 @@
-"""One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`.
+"""One full-attention layer of a :class:`~kvpatch.cache.CompressedDynamicCache`: transformers'
+layer API over a :class:`~kvpatch.cache.store.CompressedStore` (the storage), moved through the
+phases of :mod:`kvpatch.cache.lifecycle`.
 
 Its prefill is stored densely and returned with a ``PrefillRequest``
 (:mod:`kvpatch.cache.requests`); kvpatch's attention attends over it exactly, then calls
@@ -9,6 +11,9 @@ packed tokens read in place) or a transient padded view of it with a ``PaddedReq
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -16,6 +21,7 @@ from kvpatch import checks, compat
 from kvpatch.cache import crop, recompress
 from kvpatch.cache.held_tensors import HeldTensors
 from kvpatch.cache.hidden_scores import HiddenScores
+from kvpatch.cache.lifecycle import Lifecycle, Phase
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
 from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
@@ -45,19 +51,33 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         self.store: CompressedStore | None = None
         self.setup: LayerSetup | None = None
         self.seen = 0  # logical length
-        self.awaiting_compression = False
-        self.passthrough = False  # nothing to compress: a plain dense layer
-        self.deferred: Deferred | None = None
+        self.lifecycle = Lifecycle()
+        self.deferred: Deferred | None = None  # what WAITING waits with
         self.reconstructing: ReconstructionChunk | None = None
         self.reconstruction_scores: torch.Tensor | None = None
-        # appended tokens compressed after their forward: their queries, recorded meanwhile
-        self.capture_queries = False
+        # appended tokens compressed after their forward: their queries, recorded while APPENDING
         self.segment_queries: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None  # for a decode budget
         # a policy scoring hidden states: the score of every token seen, [b, h, seen],
         # so that what is held can be ranked again (chunks, appended turns, a decode budget)
         self.hidden_scorer: HiddenStateScorer | None = None
         self.token_scores: torch.Tensor | None = None
+
+    # -- phases ---------------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
+
+    @contextlib.contextmanager
+    def appending(self) -> Iterator[None]:
+        """Record the queries of the tokens appended meanwhile (a turn compressed after its
+        forward)."""
+        self.lifecycle.move(Phase.APPENDING)
+        try:
+            yield
+        finally:
+            self.lifecycle.move(Phase.COMPRESSED)
 
     # -- transformers' layer API ---------------------------------------------------------------
 
@@ -68,7 +88,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.awaiting_compression:
+        if self.phase is Phase.PREFILLED:  # kvpatch's attention did not compress the prefill
             raise RuntimeError(
                 "CompressedDynamicCache was used by an attention implementation that does not "
                 "compress it. Call kvpatch.enable(model) before running the model with this cache."
@@ -76,7 +96,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         checks.same_kind_of_keys(self.full_width_keys(), key_states)
-        if self.reconstructing is not None or self.deferred is not None:
+        if self.phase in (Phase.WAITING, Phase.RECONSTRUCTING):
             return self._reconstruction_view(key_states, value_states)
         first_forward = self.seen == 0
         self.seen += key_states.shape[-2]
@@ -84,8 +104,8 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
             return self._append_compressed(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if first_forward and not self.passthrough:
-            self.awaiting_compression = True
+        if first_forward and self.phase is Phase.EMPTY:
+            self.lifecycle.move(Phase.PREFILLED)
             return post(self.keys, PrefillRequest(self)), self.values
         return self.keys, self.values
 
@@ -101,7 +121,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
     get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
-        self._clear()
+        self._clear()  # a new lifecycle: EMPTY
         compat.clear_layer(self)
         super().reset()
 
@@ -170,11 +190,11 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
     ) -> None:
         """Replace the prefill by what ``policy`` keeps (called once, right after the prefill,
         or with the ``plan`` made for every layer at once)."""
-        self.awaiting_compression = False
         self.deferred = self.reconstructing = self.reconstruction_scores = None
         if policy is None or inputs.num_tokens <= 1:
-            self.passthrough = True
+            self.lifecycle.move(Phase.DENSE)
             return
+        self.lifecycle.move(Phase.COMPRESSED)
         if decode_budget is not None:
             check_decode_budget(policy, decode_budget)
         inputs = self._score_hidden_states(policy, inputs)
@@ -203,12 +223,12 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         self, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None = None
     ) -> None:
         """Hold the prefill densely until the cache compresses every layer together."""
-        self.awaiting_compression = False
         if decode_budget is not None:
             check_decode_budget(policy, decode_budget)
         if inputs.num_tokens <= 1:
-            self.passthrough = True
+            self.lifecycle.move(Phase.DENSE)
             return
+        self.lifecycle.move(Phase.WAITING)
         inputs = self._score_hidden_states(policy, inputs)
         self.deferred = Deferred(policy, recompress.scored_for_later(policy, inputs), decode_budget)
 
@@ -222,8 +242,8 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
 
     def remember_queries(self, queries: torch.Tensor) -> None:
         """Keep the last queries, which decoding-time compression scores with, and all of an
-        appended segment's while ``capture_queries`` is set."""
-        if self.capture_queries:
+        appended segment's while appending."""
+        if self.phase is Phase.APPENDING:
             previous = self.segment_queries
             self.segment_queries = (
                 queries if previous is None else torch.cat([previous, queries], -2)

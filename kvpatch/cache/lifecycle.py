@@ -41,7 +41,7 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.PREFILLED: frozenset({Phase.COMPRESSED, Phase.WAITING, Phase.DENSE}),
     Phase.DENSE: frozenset(),
     Phase.WAITING: frozenset({Phase.RECONSTRUCTING, Phase.COMPRESSED, Phase.DENSE}),
-    Phase.RECONSTRUCTING: frozenset({Phase.WAITING, Phase.COMPRESSED}),
+    Phase.RECONSTRUCTING: frozenset(),  # left by Lifecycle.end_reconstruction only
     Phase.COMPRESSED: frozenset({Phase.APPENDING, Phase.RECONSTRUCTING}),
     Phase.APPENDING: frozenset({Phase.COMPRESSED}),
 }

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpatch.cache.lifecycle import Lifecycle, Phase
 from kvpatch.cache.requests import ReconstructionRequest, post
 
 if TYPE_CHECKING:
@@ -129,8 +130,18 @@ class Reconstructed:
     """Mixin of :class:`~kvpatch.cache.CompressedLayer`: how it serves a reconstruction chunk
     (``reconstructing``) and keeps the attention its tokens got (``reconstruction_scores``)."""
 
+    lifecycle: Lifecycle
     reconstructing: ReconstructionChunk | None
     reconstruction_scores: torch.Tensor | None
+
+    def begin_reconstruction(self, chunk: ReconstructionChunk) -> None:
+        """Attend ``chunk`` over what is held, without storing it."""
+        self.lifecycle.move(Phase.RECONSTRUCTING)
+        self.reconstructing = chunk
+
+    def end_reconstruction(self) -> None:
+        self.lifecycle.end_reconstruction()
+        self.reconstructing = None
 
     def _reconstruction_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""

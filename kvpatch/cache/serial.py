@@ -16,6 +16,7 @@ from kvpatch import compat
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.dynamic import CompressedDynamicCache
 from kvpatch.cache.layer import CompressedLayer
+from kvpatch.cache.lifecycle import Phase
 from kvpatch.cache.packed import PackedKV
 from kvpatch.cache.quantized import Quantization, QuantizedRows
 from kvpatch.cache.recompress import DecodeBudget, LayerSetup
@@ -82,12 +83,12 @@ def _dynamic_layer_state(layer: DynamicLayer, own: Tensors) -> dict:
 
 
 def _compressed_layer_state(layer: CompressedLayer, own: Tensors, encode_policy) -> dict:
-    if layer.awaiting_compression or layer.deferred is not None or layer.reconstructing is not None:
+    if layer.phase in (Phase.PREFILLED, Phase.WAITING, Phase.RECONSTRUCTING):
         raise NotSaveable("a layer is still waiting for its compression; save a prefilled context")
     if layer.store is None:
         state = _dynamic_layer_state(layer, own)
         if state["kind"] == "dense":
-            state["attributes"] = {"seen": layer.seen, "passthrough": layer.passthrough}
+            state["attributes"] = {"seen": layer.seen, "passthrough": layer.phase is Phase.DENSE}
         return state
     store, setup = layer.store, layer.setup
     own.update(_packed_tensors(store.packed))
@@ -189,6 +190,7 @@ def _restore_compressed(layer: CompressedLayer, described: dict, own, decode_pol
     tail = own["tail_keys"]
     layer.dtype, layer.device, layer.is_initialized = tail.dtype, tail.device, True
     layer.store, layer.seen = store, described["seen"]
+    layer.lifecycle.move(Phase.COMPRESSED)
     layer.recent_queries = own.get("recent_queries")
     layer.token_scores = own.get("token_scores")
     if layer.token_scores is not None:
@@ -199,7 +201,10 @@ def _restore_dense(layer: DynamicLayer, described: dict, own: Tensors) -> None:
     keys = own["keys"]  # set as lazy_initialization would (its signature varies by release)
     layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
     layer.keys, layer.values = keys, own["values"]
-    for name, value in described.get("attributes", {}).items():
+    attributes = dict(described.get("attributes", {}))
+    if attributes.pop("passthrough", False):  # a CompressedLayer kept dense
+        layer.lifecycle.move(Phase.DENSE)
+    for name, value in attributes.items():
         setattr(layer, name, value)
 
 

@@ -13,6 +13,7 @@ prompt (finding a tokenizer may read the model's checkpoint directory).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -209,13 +210,13 @@ def forward_appended(
     """Run ``input_ids[:, start:]`` into ``cache`` (which holds the tokens before ``start``),
     recording the queries of every compressed layer. Returns the logits after the last token
     and those layers."""
-    layers = [layer for layer in cache.compressed_layers if layer.is_compressed]
-    for layer in layers:
-        layer.capture_queries = True
+    layers = cache.stored_layers
     lengths = attention_mask[:, :start].sum(-1, keepdim=True)
     new = input_ids[:, start:]
     positions = lengths + torch.arange(new.shape[1], device=new.device)
-    try:
+    with contextlib.ExitStack() as appending:
+        for layer in layers:
+            appending.enter_context(layer.appending())
         logits = model(
             new,
             attention_mask=attention_mask,
@@ -224,9 +225,6 @@ def forward_appended(
             logits_to_keep=1,
             **{compat.cache_argument(model): cache},
         ).logits
-    finally:
-        for layer in layers:
-            layer.capture_queries = False
     return logits, layers
 
 

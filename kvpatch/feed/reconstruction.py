@@ -127,7 +127,7 @@ def reconstruct(
     ``input_ids`` (``attention_mask`` marks its real tokens): the whole prefill of layers that
     wait for it (``start`` 0) or, for compressed layers, their tail from ``start`` on. Each such
     layer ends up with ``reconstruction_scores`` ``[batch, kv_heads, scored tokens]``."""
-    layers = cache.deferred_layers if start == 0 else cache.compressed_layers
+    layers = cache.deferred_layers if start == 0 else cache.stored_layers
     others = [layer for layer in cache.layers if not isinstance(layer, CompressedLayer)]
     mask = attention_mask.bool()
     rows = [ids[real] for ids, real in zip(input_ids, mask, strict=True)]  # each row's own tokens
@@ -168,7 +168,7 @@ def _run_chunk(model, cache, layers, others, chunk, ids, positions, attention_ma
     """One reconstruction forward through ``cache``; nothing of it stays in any layer."""
     saved = [dict(layer.__dict__) for layer in others]  # sliding layers: restored below
     for layer in layers:
-        layer.reconstructing = chunk
+        layer.begin_reconstruction(chunk)
     try:
         model(
             ids,
@@ -180,7 +180,7 @@ def _run_chunk(model, cache, layers, others, chunk, ids, positions, attention_ma
         )
     finally:
         for layer in layers:
-            layer.reconstructing = None
+            layer.end_reconstruction()
         for layer, state in zip(others, saved, strict=True):
             layer.__dict__.clear()
             layer.__dict__.update(state)

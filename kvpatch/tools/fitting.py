@@ -5,9 +5,10 @@ For each training document, the model prefills it (in the chat template's user t
 pipeline renders a context) and the target policy reconstructs it
 (:data:`~kvpatch.policies.registry.TARGET_POLICY`); the target of each (full-attention layer,
 KV head, token) is the log of its score, the feature the hidden state that layer's attention read
-for the token. Per layer, a closed-form ridge regression (``kind="linear"``; its strength chosen on held-out text) or a two-layer MLP
-(``kind="mlp"``) maps features to targets. The leading tokens every policy keeps anyway (the
-sinks, the chat template's preamble) are left out of the fit.
+for the token. Per layer, a closed-form ridge regression (``kind="linear"``; its strength chosen
+on held-out text) or a two-layer MLP (``kind="mlp"``) maps features to targets. The leading
+tokens every policy keeps anyway (the sinks, the chat template's preamble) are left out of the
+fit.
 
 Without training files, the model writes its own training text, sampled from
 :data:`SEED_PROMPTS` (general prose: no planted facts, nothing built like the evaluation's
