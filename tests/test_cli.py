@@ -237,7 +237,7 @@ def test_eval_and_bench_subcommands(checkpoint, tmp_path, capsys):
     argv = ["eval", "--model", "tiny", "--samples", "1", "--ratios", "0.5", "--policies", "knorm"]
     argv += ["--context-tokens", "100", "--digits", "3", "--no-plot", "--no-progress"]
     assert cli.main([*argv, "--output", str(tmp_path)]) == 0
-    assert (tmp_path / "results.json").exists()
+    assert (tmp_path / "manifest.json").exists() and (tmp_path / "records.jsonl.gz").exists()
     capsys.readouterr()
     argv = ["bench", "--model", checkpoint, "--context", "300", "--tokens", "4", "--rounds", "1"]
     assert cli.main([*argv, "--policies", "knorm:0.75", "snapkv:0.5"]) == 0

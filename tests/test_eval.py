@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import math
+import os
+import platform
 import random
 import shlex
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +27,18 @@ from kvpatch.tools.eval import (
     summarize,
     with_ratio,
 )
-from kvpatch.tools.eval.cli import main
+from kvpatch.tools.eval.cli import main, parser
 from kvpatch.tools.eval.scoring import wilson_interval
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def published(output: Path) -> tuple[dict, list[dict]]:
+    """A finished run's manifest and records, read as any reader would: JSON and gzipped JSON
+    lines."""
+    manifest = json.loads((output / "manifest.json").read_text())
+    with gzip.open(output / manifest["records_file"], "rt") as f:
+        return manifest, [json.loads(line) for line in f]
 
 
 def test_tasks_hide_their_answers_where_they_say():
@@ -120,12 +137,19 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert f"| {share:.2f} [{low:.2f}, {high:.2f}] |" in printed
     full, snap = float(rows[0]["kv_mb"]), float(rows[1]["kv_mb"])
     assert snap < 0.6 * full
-    result = json.loads((output / "results.json").read_text())
-    assert len(result["records"]) == 4 and result["config"]["model"] == "tiny"
+    manifest, records = published(output)
+    assert len(records) == 4 and manifest["config"]["model"] == "tiny"
+    # the data and its renderings; the journal is gone once the records are compressed
+    assert sorted(p.name for p in output.iterdir() if p.name != "results.png") == [
+        "manifest.json",
+        "records.jsonl.gz",
+        "results.csv",
+        "results.md",
+    ]
     table = (output / "results.md").read_text()
     assert table.startswith("| task |")
     # which of the needle's tokens survive, per compressed run: one column per digit (bytes here)
-    record = next(r for r in result["records"] if (r["mode"], r["policy"]) == ("prefill", "snapkv"))
+    record = next(r for r in records if (r["mode"], r["policy"]) == ("prefill", "snapkv"))
     by_token = [float(v) for v in rows[1]["needle_kept_by_token"].split(";")]
     assert by_token == pytest.approx(record["needle_survival"], abs=1e-4) and len(by_token) == 6
     assert "| token 1 | token 2 | token 3 | token 4 | token 5 | token 6 |" in table
@@ -290,7 +314,7 @@ def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
         "--no-plot",
     ]
     assert main([*args, "--output", str(tmp_path / "whole")]) == 0
-    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["records"]
+    whole = published(tmp_path / "whole")[1]
     assert len(whole) == 2 * 2 * 3  # samples x modes x (full, snapkv, knorm)
     capsys.readouterr()
 
@@ -315,14 +339,19 @@ def test_a_stopped_run_leaves_what_it_finished_and_resumes_to_the_same_results(
     )
     lines = (stopped / "records.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 7  # the settings, then every answer as it finished
-    # the first context (6 answers) was done: its tables were written
-    partial = json.loads((stopped / "results.json").read_text())["records"]
-    assert _answers(partial) == _answers([r for r in whole if r["sample"] == 0])
+    journaled = [json.loads(line) for line in lines[1:]]
+    assert _answers(journaled[:6]) == _answers([r for r in whole if r["sample"] == 0])
+    # the first context (6 answers) was done: its tables were written; no manifest yet
+    with open(stopped / "results.csv") as f:
+        assert [int(row["samples"]) for row in csv.DictReader(f)] == [1] * 6
+    assert not (stopped / "manifest.json").exists()
 
     assert main([*args, "--output", str(stopped), "--resume"]) == 0
-    resumed = json.loads((stopped / "results.json").read_text())["records"]
+    manifest, resumed = published(stopped)
     assert _answers(resumed) == _answers(whole)
-    assert len((stopped / "records.jsonl").read_text().splitlines()) == 1 + len(whole)
+    assert not (stopped / "records.jsonl").exists()
+    # the two parts of the run, each with the answers it made
+    assert [part["records"] for part in manifest["provenance"]] == [7, len(whole) - 7]
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
@@ -364,3 +393,116 @@ def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
 def test_the_wilson_interval(successes, samples, interval):
     low, high = wilson_interval(successes / samples, samples)
     assert (round(low, 4), round(high, 4)) == interval
+
+
+def wilson_bounds(successes: float, n: int) -> tuple[float, float]:
+    """The 95% Wilson interval from its definition: the proportions p not rejected by the score
+    test, the roots of (p̂ - p)² = z² p (1 - p) / n (z the normal's 97.5% quantile)."""
+    z = 1.959963984540054
+    share = successes / n
+    a, b, c = 1 + z * z / n, -(2 * share + z * z / n), share * share
+    root = math.sqrt(b * b - 4 * a * c)
+    return (max(0.0, (-b - root) / (2 * a)), min(1.0, (-b + root) / (2 * a)))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A small finished run on the tiny model: two tasks (one asking three questions of each
+    context), both placements, two policies."""
+    output = tmp_path_factory.mktemp("run")
+    config = EvalConfig(
+        model="tiny",
+        policies=["snapkv", "knorm"],
+        ratios=[0.5, 0.75],
+        tasks=["single", "multiquestion"],
+        samples=2,
+        context_tokens=160,
+        digits=3,
+        plot=False,
+        progress=False,
+        output=str(output),
+    )
+    return config, run_eval(config), output
+
+
+def test_the_manifest_names_the_command_commit_versions_and_hardware(finished_run):
+    import torch
+    import transformers
+
+    import kvpatch
+
+    config, result, output = finished_run
+    manifest, records = published(output)
+    assert manifest == result["manifest"]
+    assert manifest["samples"] == 2 and manifest["records"] == len(records) == 2 * 5 * 2 + 6 * 5 * 2
+    assert manifest["config"]["model"] == "tiny" and manifest["config"]["policies"] == [
+        "snapkv",
+        "knorm",
+    ]
+    (part,) = manifest["provenance"]  # one part: the run was not resumed
+    assert part["records"] == len(records)
+    assert part["versions"] == {
+        "python": platform.python_version(),
+        "kvpatch": kvpatch.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    hardware = part["hardware"]
+    assert hardware["device"] == "cpu" and hardware["gpu"] is None
+    assert hardware["cores"] == os.cpu_count() and hardware["threads"] == torch.get_num_threads()
+    if (ROOT / ".git").exists():  # run from this checkout: its commit
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        assert part["commit"] == head and isinstance(part["changed"], list)
+    # the command parses back to the run's settings
+    words = shlex.split(manifest["command"])
+    assert words[:3] == ["python", "-m", "kvpatch.tools.eval"]
+    again = asdict(EvalConfig(**vars(parser().parse_args(words[3:]))))
+    # (the tiny model's byte codec lays prompts out as completions: the command says so)
+    assert again == {**asdict(config), "prompt_format": "completion"}
+
+
+def test_every_accuracy_in_the_manifest_carries_its_wilson_interval(finished_run):
+    manifest, records = published(finished_run[2])
+    assert len(manifest["summary"]) == 2 * 2 * 5  # task x placement x (full + 2 x 2)
+    for row in manifest["summary"]:
+        cell = [
+            r["score"]
+            for r in records
+            if (r["task"], r["mode"], r["policy"], r["ratio"])
+            == (row["task"], row["mode"], row["policy"], row["ratio"])
+        ]
+        assert row["samples"] == len(cell) == (6 if row["task"] == "multiquestion" else 2)
+        assert row["accuracy"] == pytest.approx(sum(cell) / len(cell))
+        low, high = wilson_bounds(sum(cell), len(cell))
+        assert row["accuracy_low"] == pytest.approx(low, abs=1e-12)
+        assert row["accuracy_high"] == pytest.approx(high, abs=1e-12)
+
+
+def test_the_records_compress_to_the_same_bytes():
+    """A rewritten run changes in git only where its answers do: no timestamp in the gzip."""
+    from kvpatch.tools.eval.manifest import compress_records
+
+    records = [{"sample": i, "answer": str(i)} for i in range(3)]
+    assert compress_records(records) == compress_records([dict(r) for r in records])
+    assert gzip.decompress(compress_records(records)).decode().splitlines() == [
+        json.dumps(r) for r in records
+    ]
+
+
+def test_a_finished_run_resumes_from_its_manifest_and_records(tmp_path, capsys):
+    """``--resume`` on a finished run (no journal left) reads its compressed records: nothing is
+    run again and the manifest is unchanged; other settings are refused, naming them."""
+    args = ["--model", "tiny", "--policies", "snapkv", "--ratios", "0.5", "--samples", "1"]
+    args += ["--context-tokens", "200", "--no-progress", "--no-plot", "--output", str(tmp_path)]
+    assert main(args) == 0
+    before = (tmp_path / "manifest.json").read_text()
+    records = (tmp_path / "records.jsonl.gz").read_bytes()
+    assert not (tmp_path / "records.jsonl").exists()
+    assert main([*args, "--resume"]) == 0
+    assert (tmp_path / "manifest.json").read_text() == before
+    assert (tmp_path / "records.jsonl.gz").read_bytes() == records
+    capsys.readouterr()
+    assert main([*args, "--resume", "--digits", "4"]) == 2
+    assert "digits: 6 there, 4 now" in capsys.readouterr().err

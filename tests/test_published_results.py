@@ -1,17 +1,26 @@
-"""The published results can be reproduced from the documentation.
+"""The published results are data, and can be reproduced from the documentation.
 
-Every ``kvpatch eval`` command the README and the documentation pages give (in a shell block or
-inline) that writes to ``docs/`` must parse, and must name the settings its stored results were
-made with (``results.json``'s ``config``); every stored result must have such a command. Set
-order (policies, ratios, tasks, modes) changes only the order of a table's rows. Marked ``slow``
-(the real models): rerun on its first contexts, a published result gives its stored answers.
+Every published run is a folder ``results/NAME/``: ``manifest.json`` (the command, the commit,
+the versions, the hardware, the settings, the summary with 95% intervals) and
+``records.jsonl.gz`` (every answer). Checked here: each manifest names its commit and versions
+(or says how they were found), holds the summary its records give, with intervals that an
+independent Wilson computation gives; ``docs/`` holds no records; the README's tables quote the
+manifests. Every ``kvpatch eval`` command the README and the documentation pages give (in a shell
+block or inline) that writes to ``results/`` must parse and name the settings its run was made
+with (the manifest's ``config``), and every run must have such a command. Set order (policies,
+ratios, tasks, modes) changes only the order of a table's rows. Marked ``slow`` (the real
+models): rerun on its first contexts, a published result gives its stored answers.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 import re
 import shlex
+import subprocess
+from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,8 +28,11 @@ import pytest
 
 from kvpatch.tools.eval.cli import parser
 from kvpatch.tools.eval.config import EvalConfig
+from kvpatch.tools.eval.published import MARKER, expand_markers, published_runs
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+RUNS = sorted(path.parent.name for path in RESULTS.glob("*/manifest.json"))
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|console)\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`((?:python -m kvpatch\.tools\.eval|kvpatch eval) [^`]*)`")
@@ -42,8 +54,22 @@ AS_SETS = ("policies", "ratios", "tasks", "modes")
 #: results stored under a policy's former name: what the command's names add to it today
 RENAMED = {
     # measured while the chunk's own softmax was KVzip's default (docs/performance.md says so)
-    "docs/results-kvzip-plus": "/normalise=chunk",
+    "results/kvzip-plus": "/normalise=chunk",
 }
+VERSIONS = ("python", "kvpatch", "torch", "transformers")
+#: questions asked of each context, where a task asks more than one
+QUESTIONS = {"multiquestion": 3}
+#: a version as a process reports it (a pin such as ``>=4.56,<6`` is not one)
+RELEASE = re.compile(r"\d+(\.\d+)*([.+\-]?[0-9A-Za-z.]+)*")
+
+
+def manifest(name: str) -> dict:
+    return json.loads((RESULTS / name / "manifest.json").read_text())
+
+
+def records(name: str) -> list[dict]:
+    with gzip.open(RESULTS / name / manifest(name)["records_file"], "rt") as f:
+        return [json.loads(line) for line in f]
 
 
 def eval_commands() -> list[tuple[str, list[str]]]:
@@ -72,55 +98,280 @@ def output_of(argv: list[str]) -> str:
     return spelled[-1].rstrip("/") if spelled else ""
 
 
-COMMANDS = [(page, argv) for page, argv in eval_commands() if output_of(argv).startswith("docs/")]
+COMMANDS = [
+    (page, argv) for page, argv in eval_commands() if output_of(argv).startswith("results/")
+]
+
+
+def assert_names_its_settings(where: str, argv: list[str]) -> None:
+    """``argv`` parses, writes to a published run, and gives the settings it was made with."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: `kvpatch eval {shlex.join(argv)}` does not parse")
+    config = asdict(EvalConfig(**vars(args)))
+    output = config["output"].rstrip("/")
+    assert (ROOT / output / "manifest.json").is_file(), f"{where}: {output} has no manifest"
+    made_with = manifest(Path(output).name)["config"]
+    renamed = RENAMED.get(output)
+    if renamed:
+        config["policies"] = [p.replace(renamed, "") for p in config["policies"]]
+    for name in AS_SETS:
+        assert sorted(config[name]) == sorted(made_with[name]), f"{where}: {output}: {name}"
+    for name in SETTINGS:
+        assert config[name] == made_with.get(name, config[name]), f"{where}: {output}: {name}"
+    if config["prompt_format"] is not None:  # else the tokenizer's choice, stored resolved
+        assert config["prompt_format"] == made_with["prompt_format"], f"{where}: {output}"
 
 
 def test_the_pages_give_commands_for_published_results():
-    assert len(COMMANDS) >= 20
+    assert len(COMMANDS) >= 20 and len(RUNS) >= 20
 
 
 @pytest.mark.parametrize(
     "page, argv", COMMANDS, ids=[f"{page}:{output_of(argv)}" for page, argv in COMMANDS]
 )
 def test_a_published_command_names_its_results_settings(page, argv):
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"{page}: `kvpatch eval {shlex.join(argv)}` does not parse")
-    config = asdict(EvalConfig(**vars(args)))
-    output = config["output"].rstrip("/")
-    stored = ROOT / output / "results.json"
-    assert stored.is_file(), f"{page}: {output} has no results.json"
-    made_with = json.loads(stored.read_text())["config"]
-    renamed = RENAMED.get(output)
-    if renamed:
-        config["policies"] = [p.replace(renamed, "") for p in config["policies"]]
-    for name in AS_SETS:
-        assert sorted(config[name]) == sorted(made_with[name]), f"{page}: {output}: {name}"
-    for name in SETTINGS:
-        assert config[name] == made_with.get(name, config[name]), f"{page}: {output}: {name}"
-    if config["prompt_format"] is not None:  # else the tokenizer's choice, stored resolved
-        assert config["prompt_format"] == made_with["prompt_format"], f"{page}: {output}"
+    assert_names_its_settings(page, argv)
 
 
 def test_every_published_result_has_its_command():
     named = {output_of(argv) for _, argv in COMMANDS}
-    stored = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "docs").glob("*/results.json")}
-    assert stored - named == set()
+    assert {f"results/{name}" for name in RUNS} - named == set()
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_manifest_gives_the_command_that_makes_it(name):
+    words = shlex.split(manifest(name)["command"])
+    assert words[:3] == PREFIXES[0]
+    assert output_of(words) == f"results/{name}"
+    assert_names_its_settings(f"results/{name}/manifest.json", words[3:])
+
+
+def _commit_exists(commit: str) -> bool | None:
+    """Whether the repository has ``commit``; None where there is no git history to ask."""
+    if not (ROOT / ".git").exists():
+        return None
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True
+    )
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_every_manifest_names_its_commit_and_versions(name):
+    """Each part of a run names the commit, the versions and the hardware it was made with; what
+    the run did not record itself (a version given as a pin, hardware unknown) says how it was
+    found."""
+    parts = manifest(name)["provenance"]
+    assert parts and sum(part["records"] for part in parts) == manifest(name)["records"]
+    for part in parts:
+        assert re.fullmatch(r"[0-9a-f]{40}", part["commit"]), part["commit"]
+        assert _commit_exists(part["commit"]) in (True, None), part["commit"]
+        versions = part["versions"]
+        assert set(VERSIONS) <= set(versions) and all(versions[v] for v in VERSIONS)
+        if not all(RELEASE.fullmatch(versions[v]) for v in VERSIONS):
+            assert part["versions_from"].strip(), f"{name}: versions without how they were known"
+        if all(value is None for value in part["hardware"].values()):
+            assert part["hardware_from"].strip(), f"{name}: no hardware, and no word of why"
+
+
+def wilson(successes: float, n: int) -> tuple[float, float]:
+    """The 95% Wilson score interval, written out from its definition (Wilson 1927): the p
+    whose normal test against the observed share p̂ is not rejected at 5%, the roots of
+    (p̂ - p)^2 = z^2 p (1 - p) / n."""
+    z = 1.959963984540054
+    share = successes / n
+    # (1 + z²/n) p² - (2 p̂ + z²/n) p + p̂² = 0
+    a, b, c = 1 + z * z / n, -(2 * share + z * z / n), share * share
+    root = math.sqrt(b * b - 4 * a * c)
+    return (max(0.0, (-b - root) / (2 * a)), min(1.0, (-b + root) / (2 * a)))
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_manifest_holds_what_its_records_give(name):
+    """Its counts and every accuracy cell follow from its records; each cell's interval is the
+    95% Wilson interval of that cell's count."""
+    stored = manifest(name)
+    answers = records(name)
+    assert len(answers) == stored["records"]
+    cells = defaultdict(list)
+    for record in answers:
+        cells[record["task"], record["mode"], record["policy"], record["ratio"]].append(record)
+    assert len(cells) == len(stored["summary"])
+    for row in stored["summary"]:
+        cell = cells[row["task"], row["mode"], row["policy"], row["ratio"]]
+        scores = [record["score"] for record in cell]
+        assert row["samples"] == len(cell)
+        assert row["accuracy"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
+        low, high = wilson(sum(scores), len(scores))
+        assert (row["accuracy_low"], row["accuracy_high"]) == pytest.approx((low, high), abs=1e-9)
+    # every cell: the samples of its task (a multiquestion context asks three questions)
+    config = stored["config"]
+    assert stored["samples"] == config["samples"]
+    runs = 1 + len(config["policies"]) * len(config["ratios"])  # the full cache's, then each
+    assert len(cells) == len(config["tasks"]) * len(config["modes"]) * runs
+    for (task, *_), cell in cells.items():
+        assert len(cell) == config["samples"] * QUESTIONS.get(task, 1)
+
+
+def test_wilson_gives_the_textbook_interval():
+    """The test's own interval against published values (Newcombe 1998, Statistics in
+    Medicine 17, table II, the score method: 81 of 263, 15 of 148, 0 of 20, 1 of 29)."""
+    assert wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+    assert wilson(15, 148) == pytest.approx((0.0624, 0.1605), abs=1e-4)
+    assert wilson(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
+    assert wilson(1, 29) == pytest.approx((0.0061, 0.1718), abs=1e-4)
+
+
+def test_a_pages_markers_become_a_runs_figures():
+    """``<!-- results: NAME -->`` becomes the run's tables, each accuracy shown with its 95%
+    interval as the tables show it; ``<!-- results-plot: NAME -->`` its plot."""
+    runs = published_runs(RESULTS)
+    page = "Before.\n\n<!-- results: default -->\n\n<!-- results-plot: default -->\nAfter.\n"
+    text = expand_markers(page, runs, plot_link=lambda name: f"runs/{name}.png")
+    assert "<!--" not in text and text.startswith("Before.") and text.endswith("After.\n")
+    assert "![accuracy against compression ratio, default](runs/default.png)" in text
+    for row in manifest("default")["summary"]:
+        low, high = wilson(row["accuracy"] * row["samples"], row["samples"])
+        shown = f"{row['accuracy']:.2f} [{low:.2f}, {high:.2f}]"
+        assert f"| {row['mode']} | {row['policy']} | {row['ratio']:g} | {shown} |" in text
+    with pytest.raises(ValueError, match="no published run 'nothing'"):
+        expand_markers("<!-- results: nothing -->", runs, plot_link=str)
+    quoted = "Write `<!-- results: NAME -->` on a line of its own.\n"  # a marker quoted stays
+    assert expand_markers(quoted, runs, plot_link=str) == quoted
+
+
+def test_the_command_prints_a_runs_tables_and_draws_its_plot(tmp_path, capsys):
+    from kvpatch.tools.eval.published import main
+
+    assert main(["default", "--results", str(RESULTS)]) == 0
+    printed = capsys.readouterr().out
+    full = manifest("default")["summary"][0]
+    assert printed.startswith("| task | question | policy |")
+    assert f"| single | prefill | full | 0 | 1.00 [0.84, 1.00] | {full['kv_mb']:.2f} |" in printed
+    pytest.importorskip("matplotlib")
+    assert main(["default", "--results", str(RESULTS), "--plot", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_marker_of_the_pages_names_a_published_run():
+    marked = {m["name"] for page in PAGES for m in MARKER.finditer(page.read_text())}
+    assert marked and marked <= set(RUNS)
+
+
+def test_docs_hold_no_records():
+    """The records live in results/; docs/ holds pages and their pictures."""
+    raw = ("results.json", "results.csv", "manifest.json")
+    found = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "docs").rglob("*")
+        if path.name in raw or ".jsonl" in path.name or path.suffix == ".csv"
+    ]
+    assert found == []
+
+
+def test_a_published_run_is_its_manifest_and_records():
+    folders = sorted(path.name for path in RESULTS.iterdir() if path.is_dir())
+    assert folders == RUNS
+    for name in RUNS:
+        assert (RESULTS / name / manifest(name)["records_file"]).is_file(), name
+
+
+#: the README's tables of published figures: the header that starts each, the runs their rows come
+#: from (the first that has the row's policy), and each column's cells (one or several, joined by
+#: " / "): (what, the placements in order of preference, ratio). Its KV MB column takes the
+#: question-in-prompt measurement where a run has one (the cache as it holds the whole prompt).
+R = (0.5, 0.75, 0.9)
+README_TABLES = [
+    (
+        "| policy (ratio 0.5) | exact answers | KV MB |",
+        ("spans",),
+        [[("answers", ("prefill",), 0.5)], [("kv_mb", ("prefill",), 0.5)]],
+    ),
+    (
+        "| policy | r = 0.5 | 0.75 | 0.9 | KV MB at 0.75 |",
+        ("grid", "kvzap"),
+        [
+            *([("accuracy", ("agnostic",), r)] for r in R),
+            [("kv_mb", ("prefill", "agnostic"), 0.75)],
+        ],
+    ),
+    (
+        "| policy | question in the prompt | question-agnostic |",
+        ("gemma-2k", "gemma-2k-more"),
+        [[("accuracy", ("prefill",), r) for r in R], [("accuracy", ("agnostic",), r) for r in R]],
+    ),
+]
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The rows (cells) of the table starting with ``header``."""
+    lines = text[text.index(header) :].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _policy(label: str) -> str | None:
+    """A row's policy, from its label: ``kvpatch `snapkv``` is snapkv; another library's rows
+    are not the manifests' (None)."""
+    if label.startswith("kvpress"):
+        return None
+    label = label.removeprefix("kvpatch ").strip("`")
+    return "full" if label == "full cache" else label
+
+
+def _figure(runs: tuple[str, ...], policy: str, what: str, modes: tuple[str, ...], ratio: float):
+    for name in runs:
+        for row in manifest(name)["summary"]:
+            if row["task"] != "single" or row["policy"] != policy:
+                continue
+            wanted = 0.0 if policy == "full" else ratio  # the full cache's row serves every ratio
+            if row["ratio"] == wanted and row["mode"] == _first_mode(name, policy, modes):
+                if what == "answers":
+                    return f"{round(row['accuracy'] * row['samples'])} / {row['samples']}"
+                return f"{row[what]:.1f}" if what == "kv_mb" else f"{row[what]:.2f}"
+    pytest.fail(f"no run of {runs} has {policy} at {ratio}")
+
+
+def _first_mode(name: str, policy: str, modes: tuple[str, ...]) -> str | None:
+    have = {row["mode"] for row in manifest(name)["summary"] if row["policy"] == policy}
+    return next((mode for mode in modes if mode in have), None)
+
+
+@pytest.mark.parametrize("header, runs, columns", README_TABLES, ids=lambda x: str(x)[:30])
+def test_the_readmes_tables_quote_the_manifests(header, runs, columns):
+    """The README is read without a build: its tables are written out, and must give what the
+    manifests give (bold marks aside)."""
+    rows = _table((ROOT / "README.md").read_text(), header)
+    checked = 0
+    for label, *cells in rows:
+        policy = _policy(label)
+        if policy is None:
+            continue
+        for cell, column in zip(cells, columns, strict=True):
+            expected = " / ".join(_figure(runs, policy, *spec) for spec in column)
+            assert cell.replace("**", "") == expected, f"{label}: {cell}"
+            checked += 1
+    assert checked >= 2 * len(columns)
 
 
 #: a published result and the policies rerun from it, on the model it was made with (no kvzap:
 #: the tests give it a random map)
 RERUNS = [
-    ("docs/results-gemma-2k", ["span-snapkv", "keydiff", "kvzip"], "gemma3-270m"),
-    ("docs/results-gemma-multikey-multivalue", ["keydiff/n_sink=0", "tova"], "gemma3-270m"),
-    ("docs/results", ["snapkv", "keydiff", "global-kvzip"], "smollm2"),
+    ("gemma-2k", ["span-snapkv", "keydiff", "kvzip"], "gemma3-270m"),
+    ("gemma-multikey-multivalue", ["keydiff/n_sink=0", "tova"], "gemma3-270m"),
+    ("grid", ["snapkv", "keydiff", "global-kvzip"], "smollm2"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("output, policies, model", RERUNS, ids=[r[0] for r in RERUNS])
-def test_a_published_result_reproduces(output, policies, model, tmp_path):
+@pytest.mark.parametrize("name, policies, model", RERUNS, ids=[r[0] for r in RERUNS])
+def test_a_published_result_reproduces(name, policies, model, tmp_path):
     """Its command, on the first context of each task and one ratio, gives the stored answers
     word for word (the same seed and samples; a run on another CPU may round differently)."""
     from kvpatch.tools import demo
@@ -128,13 +379,13 @@ def test_a_published_result_reproduces(output, policies, model, tmp_path):
 
     if not demo.is_cached(model=model):
         pytest.skip(f"{model} is not cached: python -m kvpatch.tools.demo --model {model}")
-    stored = json.loads((ROOT / output / "results.json").read_text())
-    made_with = {k: v for k, v in stored["config"].items() if k in EvalConfig.__dataclass_fields__}
+    stored = manifest(name)["config"]
+    made_with = {k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__}
     rerun_with = dict(policies=policies, ratios=[0.75], samples=1, output=str(tmp_path))
     config = EvalConfig(**{**made_with, **rerun_with, "plot": False, "progress": False})
     rerun = run_eval(config)["records"]
     # a sample is known by its needles (its index depends on how many samples each task has)
     key = lambda r: (r["task"], r["mode"], r["spec"], str(r["expected"]), r["depth"])
-    expected = {key(r): r["answer"] for r in stored["records"]}
+    expected = {key(r): r["answer"] for r in records(name)}
     assert rerun and all(key(r) in expected for r in rerun)
     assert {key(r): r["answer"] for r in rerun} == {key(r): expected[key(r)] for r in rerun}

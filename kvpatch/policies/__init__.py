@@ -44,15 +44,44 @@ EXPORTS = {
     "kvpatch.policies.think": ("ThinK", "ThinKValues"),
     "kvpatch.policies.tova": ("TOVA",),
 }
-__all__ = sorted(
-    [
-        "DEFAULT_POLICY",
-        "DOCUMENT_POLICY",
-        "check_policy_names",
-        "policy_names",
-        *(n for ns in EXPORTS.values() for n in ns),
-    ]
-)
+#: written out (not computed) so that static tools can follow ``from kvpatch.policies import *``
+__all__ = [
+    "AdaKV",
+    "ChannelSelector",
+    "Composed",
+    "DEFAULT_POLICY",
+    "DOCUMENT_POLICY",
+    "ExpectedAttention",
+    "GlobalBudgets",
+    "HiddenStateMap",
+    "HiddenStateScorer",
+    "KVzap",
+    "KVzip",
+    "KVzipPlus",
+    "KeyDiff",
+    "Knorm",
+    "LayerInputs",
+    "Plan",
+    "Policy",
+    "Pyramid",
+    "RandomScorer",
+    "Reconstruction",
+    "SnapKV",
+    "SpanSnapKV",
+    "SpanTOVA",
+    "Spans",
+    "StreamingLLM",
+    "TOVA",
+    "ThinK",
+    "ThinKValues",
+    "TokenScorer",
+    "check_policy_names",
+    "check_ratio",
+    "compose",
+    "parse_policy",
+    "policy_names",
+    "reconstruction_of",
+]
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import importlib
 #: what ``kvpatch generate``, ``kvpatch chat``, ``kvpatch bench`` and the pipeline compress with
 #: when given no policy. KeyDiff reads no query, so it keeps the facts a question asks for
 #: whether the question is in the prompt or comes after the context (0.90 in both placements on
-#: the demo model's single needle at 0.5, docs/results-default, where SnapKV-style scorers drop
+#: the demo model's single needle at 0.5, results/default, where SnapKV-style scorers drop
 #: to 0.00-0.20 once the question comes after), costs no extra pass (KVzip's reconstruction
 #: triples a prefill) and works everywhere a compressed cache goes (chunked prefills, bounded
 #: chats, decode budgets). Its window keeps a short prompt's question whole, as SnapKV's does.

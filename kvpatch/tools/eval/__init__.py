@@ -4,8 +4,10 @@
   :mod:`~kvpatch.tools.eval.words`): the generated samples;
 - :mod:`~kvpatch.tools.eval.config`: what to run; :mod:`~kvpatch.tools.eval.run`: running it, with
   :mod:`~kvpatch.tools.eval.answering` answering one sample;
-- :mod:`~kvpatch.tools.eval.scoring`: the summary; :mod:`~kvpatch.tools.eval.report`: tables and
-  plots.
+- :mod:`~kvpatch.tools.eval.scoring`: the summary; :mod:`~kvpatch.tools.eval.manifest`: a run as
+  data (its manifest and compressed records), :mod:`~kvpatch.tools.eval.journal` while it runs;
+  :mod:`~kvpatch.tools.eval.report`: tables and plots; :mod:`~kvpatch.tools.eval.published`: the
+  published runs (``results/``) as the documentation shows them.
 
     python -m kvpatch.tools.eval --policies snapkv ada-snapkv --ratios 0.5 0.75 --samples 20
 

@@ -18,7 +18,6 @@ from kvpatch.tools.eval.options import (
 )
 from kvpatch.tools.testing import tiny_model
 
-FULL = "full"
 #: a haystack needs room around its needles and question
 MIN_CONTEXT_TOKENS = 64
 DTYPES = loading.DTYPES
@@ -61,8 +60,9 @@ class EvalConfig:
     #: ``chat`` (the tokenizer's chat template) or ``completion`` (plain text ending in the start
     #: of the answer, for base models); None: ``chat`` if the tokenizer has a chat template
     prompt_format: str | None = None
-    #: continue the run journaled in ``output`` (``records.jsonl``): its answers are kept, only
-    #: the rest is run; the settings must be the same
+    #: continue the run journaled in ``output`` (``records.jsonl``, or a finished run's manifest
+    #: and ``records.jsonl.gz``): its answers are kept, only the rest is run; the settings must
+    #: be the same
     resume: bool = False
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class EvalConfig:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {chunk!r}")
         for policy in self.policies:
-            if kvpatch.parse_policy(with_ratio(policy, 0.5)).needs_replay:
+            if kvpatch.parse_policy(with_ratio(policy, 0.5)).reconstruction is not None:
                 raise ValueError(
                     f"{policy!r} reconstructs the whole context and cannot be prefilled in "
                     "chunks; drop it or prefill_chunk"

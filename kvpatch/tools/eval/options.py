@@ -11,5 +11,15 @@ DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "th
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.9)
 #: ``prefill``: the question is in the prefill; ``agnostic``: the context is compressed first
 MODES = ("prefill", "agnostic")
+#: the policy name of the uncompressed baseline every run has
+FULL = "full"
 
-__all__ = ["DEFAULT_POLICIES", "DEFAULT_RATIOS", "DTYPES", "MODES", "PROMPT_FORMATS", "TASKS"]
+__all__ = [
+    "DEFAULT_POLICIES",
+    "DEFAULT_RATIOS",
+    "DTYPES",
+    "FULL",
+    "MODES",
+    "PROMPT_FORMATS",
+    "TASKS",
+]

@@ -1,12 +1,12 @@
-"""Tables, CSV, JSON and plots of a summary."""
+"""Tables, CSV and plots of a summary: renderings of a run's manifest
+(:mod:`~kvpatch.tools.eval.manifest`), which holds the figures."""
 
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
-from kvpatch.tools.eval.config import FULL
+from kvpatch.tools.eval.options import FULL
 
 COLUMNS = (
     ("task", "task", "{}"),
@@ -91,20 +91,25 @@ def format_needle_tokens(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_run(summary: list[dict]) -> str:
+    """Every table of a run: the summary, the accuracy grids, the needle kept token by token."""
+    blocks = [format_table(summary), format_accuracy_grid(summary), format_needle_tokens(summary)]
+    return "\n\n".join(block for block in blocks if block) + "\n"
+
+
 def write_outputs(result: dict, output: Path, plot: bool = True) -> dict[str, Path]:
+    """The renderings of a run's summary: ``results.md``, ``results.csv`` and (``plot``, with
+    matplotlib) ``results.png``."""
     output.mkdir(parents=True, exist_ok=True)
     paths = {}
     summary = result["summary"]
     paths["table"] = output / "results.md"
-    blocks = [format_table(summary), format_accuracy_grid(summary), format_needle_tokens(summary)]
-    paths["table"].write_text("\n\n".join(block for block in blocks if block) + "\n")
+    paths["table"].write_text(format_run(summary))
     paths["csv"] = output / "results.csv"
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(summary[0]))
         writer.writeheader()
         writer.writerows({key: _csv_cell(value) for key, value in row.items()} for row in summary)
-    paths["json"] = output / "results.json"
-    paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
     if plot:
         png = plot_accuracy(summary, output / "results.png")
         if png is not None:

@@ -20,21 +20,27 @@ from kvpatch.tools.eval.answering import (
     new_tokens_for,
 )
 from kvpatch.tools.eval.codecs import Codec, HFCodec
-from kvpatch.tools.eval.config import FULL, MODES, EvalConfig, load_model, with_ratio
+from kvpatch.tools.eval.config import MODES, EvalConfig, load_model, with_ratio
 from kvpatch.tools.eval.journal import Journal
+from kvpatch.tools.eval.manifest import describe_process, make_manifest, write_run
+from kvpatch.tools.eval.options import FULL
 from kvpatch.tools.eval.report import write_outputs
 from kvpatch.tools.eval.scoring import summarize
 from kvpatch.tools.eval.tasks import Sample, make_samples
 
 
 def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict:
-    """Run everything in ``config``; returns ``{"config", "summary", "records"}`` and writes the
-    table (``results.md``), ``results.csv``, ``results.json`` and ``results.png`` to
-    ``config.output``.
+    """Run everything in ``config``; returns ``{"config", "summary", "records", "manifest"}``.
 
-    Every answer is journaled as it finishes (``records.jsonl``) and the tables are rewritten
-    after each context, so a stopped run leaves what it finished; ``config.resume`` continues
-    it. After the first context, the expected duration of the whole run is printed."""
+    ``config.output`` receives the run as data: ``manifest.json`` (the command, the commit,
+    the versions, the hardware, the summary with 95% intervals) and ``records.jsonl.gz`` (every
+    answer); and its renderings: the tables (``results.md``), ``results.csv`` and, if
+    ``config.plot``, ``results.png``.
+
+    Every answer is journaled as it finishes (``records.jsonl``, until the run ends) and the
+    tables are rewritten after each context, so a stopped run leaves what it finished;
+    ``config.resume`` continues it. After the first context, the expected duration of the whole
+    run is printed."""
     if model is None:
         model, codec = load_model(
             config.model, config.attn_implementation, config.dtype, config.prompt_format
@@ -52,7 +58,9 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
     # the format the prompts were laid out in (None in the config: the codec's choice)
     settings = {**asdict(config), "prompt_format": codec.prompt_format}
     output = Path(config.output)
-    journal = Journal.open(output, settings, config.resume)
+    device = getattr(model, "device", None)
+    made_by = describe_process(None if device is None else str(device))
+    journal = Journal.open(output, settings, config.resume, made_by)
     runner = _Runner(config, model, codec, journal)
     total = len(runner.runs) * len(config.modes) * len(samples)
     runner.progress = _progress(total, len(journal.records), config.progress)
@@ -72,8 +80,13 @@ def run_eval(config: EvalConfig, model=None, codec: Codec | None = None) -> dict
         elif not was_enabled and kvpatch.is_enabled(model):
             kvpatch.disable(model)
     result = _result(settings, journal.records, runner.runs)
+    manifest = make_manifest(
+        settings, result["summary"], journal.provenance(), len(result["records"])
+    )
+    write_run(output, manifest, result["records"])
+    journal.remove()  # its answers are in the compressed records now
     write_outputs(result, output, plot=config.plot)
-    return result
+    return {**result, "manifest": manifest}
 
 
 def _result(settings: dict, records: list[dict], runs: list[tuple[str, float]]) -> dict:
@@ -132,7 +145,7 @@ class _Runner:
     def __init__(self, config: EvalConfig, model, codec: Codec, journal: Journal):
         self.config, self.model, self.codec, self.journal = config, model, codec, journal
         self.runs = [(FULL, 0.0)] + [(p, r) for p in config.policies for r in config.ratios]
-        # KVzip's repeat prompt needs a tokenizer; the byte codec is one
+        # a reconstruction's prompt needs a tokenizer; the byte codec is one
         self.tokenizer = codec.tokenizer if isinstance(codec, HFCodec) else codec
         self.progress = None
 
@@ -160,7 +173,7 @@ class _Runner:
             kvpatch.parse_policy(with_ratio(p, 0.5)).needs_hidden_states
             for p, _ in self.runs
             if p != FULL
-        )  # kvzap scores from the hidden states: the prefill records them too
+        )  # scored from the hidden states: the prefill records them too
         return [
             kvpatch.SharedPrefill.run(self.model, s.input_ids[None].to(device), hidden)
             for s in asked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from kvpatch.tools.eval.config import FULL
+from kvpatch.tools.eval.options import FULL
 
 #: the normal quantile of a two-sided 95% interval
 Z_95 = 1.959963984540054
