@@ -32,6 +32,7 @@ import time
 import torch
 
 from benchmarks.bench_cache import FULL, build_model, run_isolated, spread
+from kvpatch.tools.testing import byte_tokenizer
 
 #: one policy of every scorer, budget allocation and channel selection; KVzip's reconstruction
 #: (one more pass over the context) last
@@ -61,16 +62,6 @@ REPLAY_FORWARD = "replay-forward"
 ALLOCATED_ONLY = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
-class ByteTokenizer:
-    """Token ids of the repeat prompt for the random model: one per byte (its vocabulary has
-    4,096)."""
-
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": list(text.encode())}
-
-
 def reconstruction_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
     """The forwards of KVzip's reconstruction of ``ids`` (the chunks of
     :func:`kvpatch.feed.reconstruction.reconstruct`, at the default chunk size and overlap), each
@@ -95,7 +86,7 @@ def reconstruction_forwards(model, cache, ids: torch.Tensor, tokenizer) -> None:
 def load(name: str):
     """The model and the tokenizer KVzip's repeat prompt is written with."""
     if name == "bench":
-        return build_model(), ByteTokenizer()
+        return build_model(), byte_tokenizer(chat_template=False)  # one id per byte
     from kvpatch.tools import demo
 
     return demo.load(download=False)

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_cache import FULL, LIMIT, baseline_tokens, kvpatch_runs, measure_rounds
-from benchmarks.bench_prefill import ByteTokenizer
 from kvpatch.cache import cache_nbytes
+from kvpatch.tools.testing import byte_tokenizer
 
 POLICIES = ("snapkv", "ada-snapkv", "think:0.5+snapkv")
 SECTIONS = ("kernels", "decode", "memory", "prefill")
@@ -254,7 +254,7 @@ def timed_prefill(model, ids: torch.Tensor, policy: str) -> tuple[float, int | N
             cache = DynamicCache(config=model.config)
             model(ids, logits_to_keep=1, **{compat.cache_argument(model): cache})
         else:
-            kvpatch.enable(model, policy, tokenizer=ByteTokenizer())
+            kvpatch.enable(model, policy, tokenizer=byte_tokenizer(chat_template=False))
             try:
                 kvpatch.prefill(model, ids)
             finally:

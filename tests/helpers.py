@@ -118,15 +118,6 @@ def compressed_run(model, policy: str, ids: torch.Tensor):
     return logits, tokens, cache
 
 
-class ByteTokenizer:
-    """One token per byte (ids below the tiny models' vocabulary), no chat template."""
-
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": list(text.encode())}
-
-
 def held_bytes(obj, seen=None, visited=None) -> int:
     """Bytes of every distinct tensor storage reachable from ``obj``'s attributes (through
     containers, dataclasses and kvpatch's own objects)."""

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import make_model, prompt
-from helpers import GENERATION_MODES, ByteTokenizer, left_padded, prefill_and_decode
+from helpers import GENERATION_MODES, left_padded, prefill_and_decode
 from oracle import evictions_of, greedy_logits, oracle_logits
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -19,23 +19,14 @@ from kvpatch.attention import reconstruction as reconstruction_attention
 from kvpatch.feed.reconstruction import Prompts, _turn_end, reconstruct
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
-from kvpatch.tools.testing import seeded
+from kvpatch.tools.testing import byte_tokenizer, seeded
 
 STEPS = 8
 
 
-class ChatTokenizer(ByteTokenizer):
-    """A byte tokenizer with a two-role chat template."""
-
-    chat_template = "<u>{content}</u><a>"
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-        text = "".join(f"<u>{m['content']}</u>" for m in messages)
-        return text + ("<a>" if add_generation_prompt else "")
-
-
 def encode(text: str) -> list[int]:
-    return ByteTokenizer()(text)["input_ids"]
+    """The byte tokenizer's ids: one per byte."""
+    return list(text.encode())
 
 
 # -- KVzip against an independent eager computation --------------------------------------------
@@ -130,7 +121,7 @@ def plus_weighting(model, captured, idx: int, rows: torch.Tensor, n: int) -> tor
 def reconstruction_scores_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
     """Each layer's ``reconstruction_scores`` after kvpatch's reconstruction of ``ids``, and the
     cache (its layers still waiting for compression)."""
-    with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, scorer, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         with torch.no_grad():
             model(ids, use_cache=True, **{compat.cache_argument(model): cache})
@@ -138,7 +129,7 @@ def reconstruction_scores_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
         assert len(layers) == model.config.num_hidden_layers
         mask = torch.ones_like(ids)
         declared = scorer.reconstruction
-        prompts = Prompts(ByteTokenizer(), declared, ids.device, scorer.name)
+        prompts = Prompts(byte_tokenizer(chat_template=False), declared, ids.device, scorer.name)
         reconstruct(model, cache, ids, mask, prompts, declared)
         return [layer.reconstruction_scores[0] for layer in layers], cache
 
@@ -161,7 +152,7 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise, m
     scores, cache = reconstruction_scores_of(model, ids, scorer)
     for got, reference in zip(scores, expected, strict=True):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
-    with kvpatch.enabled(model, scorer, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, scorer, tokenizer=byte_tokenizer(chat_template=False)):
         cache.compress_deferred()
     budget = 300 - math.floor(300 * 0.6)
     for idx, reference in enumerate(expected):
@@ -192,13 +183,16 @@ def test_kvzip_plus_matches_a_head_by_head_reference(normalise, monkeypatch):
 
 def test_repeat_prompt_follows_the_chat_template():
     declared = KVzip().reconstruction
-    plain = Prompts(ByteTokenizer(), declared, "cpu", "kvzip")
+    plain = Prompts(byte_tokenizer(chat_template=False), declared, "cpu", "kvzip")
     assert plain.first().tolist() == encode(REPEAT_PROMPT + "\n")
-    assert _turn_end(ChatTokenizer()) == "</u><a>"
-    chat = Prompts(ChatTokenizer(), declared, "cpu", "kvzip")
-    assert chat.first().tolist() == encode(REPEAT_PROMPT + "</u><a>")
+    tokenizer = byte_tokenizer()  # ChatML: a user turn ends, then the assistant's header
+    assert _turn_end(tokenizer) == "<|im_end|>\n<|im_start|>assistant\n"
+    end, start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    turn_end = [end, *encode("\n"), start, *encode("assistant\n")]
+    chat = Prompts(tokenizer, declared, "cpu", "kvzip")
+    assert chat.first().tolist() == encode(REPEAT_PROMPT) + turn_end
     before, after = chat.later()
-    assert before.tolist() == encode(CONTINUE_PROMPT) and after.tolist() == encode("</u><a>")
+    assert before.tolist() == encode(CONTINUE_PROMPT) and after.tolist() == turn_end
 
 
 # -- every new policy under the masking oracle -------------------------------------------------
@@ -225,7 +219,7 @@ AGNOSTIC_POLICIES = [
 def test_agnostic_policy_matches_oracle(policy, attn):
     model = make_model("llama", attn)
     ids = prompt(300)
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         logits, tokens = prefill_and_decode(model, ids, cache)
     evictions = evictions_of(cache)
@@ -245,7 +239,7 @@ def test_agnostic_policy_matches_oracle_on_gemma2(policy):
     """Sliding layers stay stock (and untouched by the reconstruction); soft-capped logits."""
     model = make_model("gemma2", "eager")
     ids = prompt(200)
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         logits, tokens = prefill_and_decode(model, ids, cache)
     expected = oracle_logits(model, ids, evictions_of(cache), tokens)
@@ -258,7 +252,7 @@ def test_generate_reconstructs_the_prompt(policy):
     reconstructed for KVzip), compressed, then decoded; the oracle gives the same tokens."""
     model = make_model("llama")
     ids = prompt(250)
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         out = model.generate(
             ids,
@@ -287,7 +281,7 @@ def test_generate_modes_with_kvzip_match_oracle(settings):
     ids = prompt(200)
     name = compat.cache_argument(model)
     common = dict(max_new_tokens=6, pad_token_id=0, **settings)
-    with kvpatch.enabled(model, "ada-kvzip:0.6", tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, "ada-kvzip:0.6", tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         torch.manual_seed(7)
         out = model.generate(ids, **common, **{name: cache})
@@ -332,7 +326,7 @@ def test_padded_rows_are_scored_on_their_own_tokens(policy):
     model = make_model("llama")
     prompts = [prompt(n, seed=i)[0] for i, n in enumerate([260, 190, 120])]
     ids, mask = left_padded(prompts)
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         batch = kvpatch.prefill(model, ids, mask)
         alone = [kvpatch.prefill(model, p[None]) for p in prompts]
         question = prompt(6, batch=3, seed=9)
@@ -355,7 +349,7 @@ def test_global_budgets_keep_the_uniform_total():
     model = make_model("llama")
     ids = prompt(400)
     sizes = {}
-    with kvpatch.enabled(model, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, tokenizer=byte_tokenizer(chat_template=False)):
         for policy in ("kvzip:0.75", "global-kvzip:0.75", "global-snapkv:0.75"):
             cache = kvpatch.prefill(model, ids, policy=policy).cache
             lengths = cache.physical_lengths()
@@ -471,7 +465,7 @@ def test_kvzip_cannot_compress_while_decoding():
 def test_kvzip_needs_its_reconstruction():
     model = make_model("llama")
     ids = prompt(100)
-    with kvpatch.enabled(model, "kvzip", tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, "kvzip", tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         with pytest.raises(ValueError, match=r"kvpatch\.prefill"):
             greedy_logits(model, ids, cache, steps=1)
@@ -567,7 +561,7 @@ def test_extend_compresses_each_turn_as_the_oracle_says(policy):
     model = make_model("llama")
     ids = prompt(420)
     turns = [250, 350, 420]  # the context, a second turn, the question
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         context = kvpatch.prefill(model, ids[:, : turns[0]])
         before = evictions_of(context.cache)
         extended = context.extend(ids[:, turns[0] : turns[1]])
@@ -627,7 +621,7 @@ def test_agnostic_bytes_after_prefill(policy, kept, dtype):
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, use_cache=True, **{compat.cache_argument(model): full})
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = kvpatch.prefill(model, ids).cache
     held, full_bytes = held_bytes(cache.layers), held_bytes(full.layers)
     assert cache.nbytes() == held, "nbytes() must count every tensor the cache holds"
@@ -638,7 +632,7 @@ def test_generate_reconstructs_into_a_cache_built_without_config():
     """A cache made without the model's config has no layers yet (it is falsy): still filled."""
     model = make_model("llama")
     ids = prompt(120)
-    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache()
         model.generate(
             ids,

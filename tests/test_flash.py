@@ -128,11 +128,13 @@ def test_flash_question_chunk_is_causal_from_the_bottom_right(flash):
 @pytest.mark.parametrize("policy", ["kvzip:0.5", "think:0.5+global-kvzip:0.6", "keydiff:0.5"])
 def test_flash_attention_question_agnostic_matches_oracle(flash, policy):
     """KVzip's reconstruction computes its own attention, so it runs under flash too."""
-    from helpers import ByteTokenizer, prefill_and_decode
+    from helpers import prefill_and_decode
+
+    from kvpatch.tools.testing import byte_tokenizer
 
     model = flash.model()
     ids = ids_on(flash, prompt(400))
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
         logits, tokens = prefill_and_decode(model, ids, cache, steps=10)
     expected = oracle_logits(model, ids, evictions_of(cache), tokens)

@@ -315,16 +315,16 @@ def test_ridge_fitting_recovers_a_planted_linear_relation(model, monkeypatch):
 
     monkeypatch.setattr(fitting, "features_and_targets", planted)
     texts = [f"document {i}" for i in range(5)]
-    hidden_map, report = fitting.fit_map(model, ByteTokenizer(), texts, held_out=1)
+    hidden_map, report = fitting.fit_map(model, SpreadTokenizer(), texts, held_out=1)
     assert report["mean_r2"] > 0.9999
     for row in range(len(hidden_map.layers)):
         torch.testing.assert_close(hidden_map.weight[row], planted_w, atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(hidden_map.bias[row], planted_b, atol=2e-3, rtol=1e-3)
 
 
-class ByteTokenizer:
-    """A stand-in tokenizer for the tiny model (no chat template): 120 ids drawn from the text's
-    bytes, spread over the vocabulary so that the hidden states span their space."""
+class SpreadTokenizer:
+    """Not a real tokenizer: 120 ids seeded by the text, spread over the tiny model's vocabulary
+    so that the hidden states span their space (a fit needs that; byte ids do not)."""
 
     chat_template = None
     pad_token_id = 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ByteTokenizer
 
 import kvpatch
 from kvpatch import CompressedDynamicCache, CompressedLayer, compat
 from kvpatch.cache.lifecycle import MOVES, Lifecycle, LifecycleError, Phase
-from kvpatch.tools.testing import random_prompt, tiny_model
+from kvpatch.tools.testing import byte_tokenizer, random_prompt, tiny_model
+
+#: one token per byte, no chat template
+BYTES = byte_tokenizer(chat_template=False)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_shared_budgets_wait_for_every_layer_then_compress_on_the_next_step(mode
 
 
 def test_a_reconstruction_starts_from_waiting_and_returns_there(model, phases_seen):
-    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=BYTES):
         context = kvpatch.prefill(model, random_prompt(40))
     # the prefill, then the reconstruction's chunks (every layer), then compressed
     assert phases_seen == [Phase.EMPTY, Phase.RECONSTRUCTING]
@@ -81,10 +83,10 @@ def test_a_reconstruction_starts_from_waiting_and_returns_there(model, phases_se
 
 
 def test_an_appended_turn_is_appended_then_reconstructed_then_compressed(model, phases_seen):
-    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, "kvzip:0.5", tokenizer=BYTES):
         context = kvpatch.prefill(model, random_prompt(40))
         phases_seen.clear()
-        longer = context.extend(random_prompt(12, seed=3), tokenizer=ByteTokenizer())
+        longer = context.extend(random_prompt(12, seed=3), tokenizer=BYTES)
     assert phases_seen == [Phase.APPENDING, Phase.RECONSTRUCTING]
     assert phases_of(longer.cache) == {Phase.COMPRESSED}
     assert phases_of(context.cache) == {Phase.COMPRESSED}  # the context itself is unchanged

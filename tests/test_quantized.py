@@ -187,11 +187,11 @@ BASE_POLICIES = [n for n in kvpatch.policy_names() if "-" not in n or n == "expe
 def test_every_policy_composes_with_int4(policy):
     """Each policy, uniform, head-wise, global or pyramid, compresses into int4 storage, holds
     less than its unquantized cache, and answers a question close to it."""
-    from helpers import ByteTokenizer
+    from kvpatch.tools.testing import byte_tokenizer
 
     model = make_model("llama")
     context, question = prompt(1000), prompt(6, seed=4)  # 500 kept: 128 of them the residual
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         quantized = kvpatch.prefill(model, context, quantize="int4")
         plain = kvpatch.prefill(model, context)
         expected, fed = greedy_logits(model, question, plain.copy_cache(), 3)

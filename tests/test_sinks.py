@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_model, prompt
-from helpers import ByteTokenizer, left_padded
+from helpers import left_padded
 
 import kvpatch
 from kvpatch.feed.reconstruction import system_prefix_length
@@ -53,7 +53,7 @@ def test_every_policy_keeps_the_first_tokens_of_a_short_context(policy):
     tokens of each padded row are kept anyway, in every layer and head."""
     model = make_model("llama")
     ids, mask = left_padded([prompt(93, seed=1)[0], prompt(70, seed=2)[0]])
-    with kvpatch.enabled(model, policy, tokenizer=ByteTokenizer()):
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         context = kvpatch.prefill(model, ids, mask)
     for row, pad in enumerate([0, 93 - 70]):
         for positions in kept(context.cache, row, pad):

@@ -46,11 +46,12 @@ EXPORTS = {
 }
 #: written out (not computed) so that static tools can follow ``from kvpatch.policies import *``
 __all__ = [
+    "DEFAULT_POLICY",
+    "DOCUMENT_POLICY",
+    "TOVA",
     "AdaKV",
     "ChannelSelector",
     "Composed",
-    "DEFAULT_POLICY",
-    "DOCUMENT_POLICY",
     "ExpectedAttention",
     "GlobalBudgets",
     "HiddenStateMap",
@@ -71,7 +72,6 @@ __all__ = [
     "SpanTOVA",
     "Spans",
     "StreamingLLM",
-    "TOVA",
     "ThinK",
     "ThinKValues",
     "TokenScorer",

@@ -145,9 +145,10 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
-def byte_tokenizer():
+def byte_tokenizer(chat_template: bool = True):
     """A fast tokenizer with one token per byte (ids 0-255), ChatML's special tokens after them
-    and a ChatML chat template: a real ``PreTrainedTokenizerFast``, built offline."""
+    and a ChatML chat template (none with ``chat_template=False``): a real
+    ``PreTrainedTokenizerFast``, built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -158,7 +159,7 @@ def byte_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE if chat_template else None
     return tokenizer
 
 
