@@ -5,6 +5,7 @@ file's lines only made code be squeezed); nothing exempt from the formatter."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import grimp
@@ -179,3 +180,30 @@ def test_tests_share_code_through_helpers_not_through_each_other():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("test_"):
                 found.append(f"{path.name}: from {node.module}")
     assert found == []
+
+
+#: the names of particular policy kinds; the policies declare what they need instead
+POLICY_KINDS = re.compile(r"kvzip|kvzap|replay", re.IGNORECASE)
+
+
+def test_no_module_outside_the_policies_names_a_policy_kind():
+    """The cache, attention, prefill, patching and tools ask a policy what it needs (its
+    reconstruction, hidden-state scorer, fitted map): the next policy kind is one new file."""
+    named = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "policies" not in path.relative_to(PACKAGE).parts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if POLICY_KINDS.search(line)
+    ]
+    assert named == []
+
+
+def test_the_check_for_policy_kinds_sees_them():
+    assert POLICY_KINDS.search("scorer = KVzip()") and not POLICY_KINDS.search("reconstruction")
+
+
+def test_the_top_of_the_package_holds_at_most_ten_modules():
+    """The core's rooms are packages; a newcomer reads the rest of the file list at a glance."""
+    modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(modules) <= 10, modules
