@@ -19,13 +19,15 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpatch import checks, compat
 from kvpatch.cache import crop, recompress
+from kvpatch.cache.budget import DecodeBudget
 from kvpatch.cache.held_tensors import HeldTensors
 from kvpatch.cache.hidden_scores import HiddenScores
 from kvpatch.cache.lifecycle import Lifecycle, Phase
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
-from kvpatch.cache.recompress import DecodeBudget, Deferred, LayerSetup, check_decode_budget
-from kvpatch.cache.reconstruction_chunk import Reconstructed, ReconstructionChunk
+from kvpatch.cache.recompress import Deferred, LayerSetup, check_decode_budget
+from kvpatch.cache.reconstructed import Reconstructed
+from kvpatch.cache.reconstruction_chunk import ReconstructionChunk
 from kvpatch.cache.requests import PrefillRequest, post
 from kvpatch.cache.store import CompressedStore
 from kvpatch.policies import HiddenStateScorer, LayerInputs, Plan, Policy

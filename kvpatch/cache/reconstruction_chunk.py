@@ -7,15 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-from kvpatch.cache.lifecycle import Lifecycle, Phase
-from kvpatch.cache.requests import ReconstructionRequest, post
-
-if TYPE_CHECKING:
-    from kvpatch.cache.layer import CompressedLayer
 
 
 @dataclass
@@ -97,25 +90,6 @@ class ReconstructionChunk:
             self._buffers[key] = torch.empty(shape, dtype=torch.float32, device=like.device)
         return self._buffers[key]
 
-    def view(
-        self,
-        layer: CompressedLayer,
-        held_keys: torch.Tensor,
-        held_values: torch.Tensor,
-        held_valid: torch.Tensor | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scored_from: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``layer`` holds, then the chunk's ``keys``/``values`` (not stored), posted with a
-        :class:`~kvpatch.cache.requests.ReconstructionRequest`. ``held_valid`` None: the held
-        tokens are a waiting prefill, :attr:`prefill_valid`."""
-        if held_valid is None:
-            held_valid = self.prefill_held_valid
-        request = ReconstructionRequest(layer, self, held_valid, scored_from)
-        keys = torch.cat([held_keys, keys], dim=-2)
-        return post(keys, request), torch.cat([held_values, values], dim=-2)
-
 
 def _chunk_visibility(query_valid: torch.Tensor) -> torch.Tensor:
     q_len = query_valid.shape[1]
@@ -124,44 +98,3 @@ def _chunk_visibility(query_valid: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
     own = torch.eye(q_len, dtype=torch.bool, device=device)
     return torch.where(real, causal & query_valid[:, None, :], own)  # [b, q, q]
-
-
-class Reconstructed:
-    """Mixin of :class:`~kvpatch.cache.CompressedLayer`: how it serves a reconstruction chunk
-    (``reconstructing``) and keeps the attention its tokens got (``reconstruction_scores``)."""
-
-    lifecycle: Lifecycle
-    reconstructing: ReconstructionChunk | None
-    reconstruction_scores: torch.Tensor | None
-
-    def begin_reconstruction(self, chunk: ReconstructionChunk) -> None:
-        """Attend ``chunk`` over what is held, without storing it."""
-        self.lifecycle.move(Phase.RECONSTRUCTING)
-        self.reconstructing = chunk
-
-    def end_reconstruction(self) -> None:
-        self.lifecycle.end_reconstruction()
-        self.reconstructing = None
-
-    def _reconstruction_view(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The held tokens and a reconstruction chunk (not stored); scores all, or the tail."""
-        if self.reconstructing is None:
-            raise ValueError(
-                "this cache waits for a context reconstruction (its policy scores tokens by "
-                "asking the model to repeat its context) before it is compressed: prefill with "
-                "kvpatch.prefill(model, ids) or model.generate on an enabled model, not with a "
-                "plain forward"
-            )
-        if self.deferred is not None:
-            held = self.keys, self.values, None
-            return self.reconstructing.view(self, *held, key_states, value_states)
-        keys, values, held_valid = *self.store.dense(), self.store.slot_valid()
-        scored_from = self.store.packed.max_length  # only the tail is scored
-        return self.reconstructing.view(
-            self, keys, values, held_valid, key_states, value_states, scored_from
-        )
-
-    def record_reconstruction_scores(self, attention: torch.Tensor) -> None:
-        """Keep the largest attention each scored token got, ``[batch, kv_heads, scored]``."""
-        previous = self.reconstruction_scores
-        self.reconstruction_scores = attention if previous is None else previous.maximum(attention)

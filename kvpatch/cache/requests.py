@@ -14,16 +14,53 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from kvpatch.cache.decode import DecodeBudget
-    from kvpatch.cache.layer import CompressedLayer
+    from kvpatch.cache.budget import DecodeBudget
+    from kvpatch.cache.packed import PackedKV
     from kvpatch.cache.reconstruction_chunk import ReconstructionChunk
-    from kvpatch.cache.store import CompressedStore
-    from kvpatch.policies import Policy
+    from kvpatch.policies import LayerInputs, Plan, Policy
+
+
+class RequestingLayer(Protocol):
+    """What the attention function asks of the layer that posted a request (a
+    :class:`~kvpatch.cache.CompressedLayer`)."""
+
+    store: HeldStore | None
+
+    def compress(
+        self,
+        policy: Policy | None,
+        inputs: LayerInputs,
+        decode_budget: DecodeBudget | None = None,
+        plan: Plan | None = None,
+    ) -> None: ...
+
+    def defer(
+        self, policy: Policy, inputs: LayerInputs, decode_budget: DecodeBudget | None = None
+    ) -> None: ...
+
+    def remember_queries(self, queries: torch.Tensor) -> None: ...
+
+    def remember_hidden_states(self, hidden: torch.Tensor | None) -> None: ...
+
+    def record_reconstruction_scores(self, attention: torch.Tensor) -> None: ...
+
+
+class HeldStore(Protocol):
+    """What the attention function reads of a store (a
+    :class:`~kvpatch.cache.store.CompressedStore`, or a
+    :class:`~kvpatch.cache.shared_context.SharedContextStore`)."""
+
+    packed: PackedKV
+    tail_start: int
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def padded_view(self, layer: RequestingLayer) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -36,7 +73,7 @@ class PrefillRequest:
     ``keep_tokens``, if set, how many each head keeps instead of the policy's ratio.
     """
 
-    layer: CompressedLayer
+    layer: RequestingLayer
     policy: Policy | None = None
     decode_budget: DecodeBudget | None = None
     sink_tokens: int = 0
@@ -52,7 +89,7 @@ class ReconstructionRequest:
     ``[batch, 1 or kv_heads, held]`` marks the real ones.
     """
 
-    layer: CompressedLayer
+    layer: RequestingLayer
     chunk: ReconstructionChunk
     held_valid: torch.Tensor
     scored_from: int
@@ -67,7 +104,7 @@ class PaddedRequest:
     ``packed_length`` on are the tail, whose first token has logical position ``tail_start``.
     """
 
-    layer: CompressedLayer
+    layer: RequestingLayer
     lengths: torch.Tensor
     packed_length: int
     tail_start: int
@@ -81,8 +118,8 @@ class PackedRequest:
     """The tail of a layer whose packed tokens stay in ``store``: the attention function reads
     them there (:mod:`kvpatch.attention.packed`) or asks the store for a padded view."""
 
-    layer: CompressedLayer
-    store: CompressedStore
+    layer: RequestingLayer
+    store: HeldStore
 
 
 AttentionRequest = PrefillRequest | PaddedRequest | PackedRequest | ReconstructionRequest

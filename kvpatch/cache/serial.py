@@ -13,13 +13,14 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvpatch import compat
+from kvpatch.cache.budget import DecodeBudget
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.dynamic import CompressedDynamicCache
 from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.lifecycle import Phase
 from kvpatch.cache.packed import PackedKV
 from kvpatch.cache.quantized import Quantization, QuantizedRows
-from kvpatch.cache.recompress import DecodeBudget, LayerSetup
+from kvpatch.cache.recompress import LayerSetup
 from kvpatch.cache.store import CompressedStore
 
 Tensors = dict[str, torch.Tensor]

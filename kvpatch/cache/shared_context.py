@@ -18,7 +18,7 @@ import torch
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.layer import CompressedLayer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
-from kvpatch.cache.requests import PackedRequest, PaddedRequest, post
+from kvpatch.cache.requests import PackedRequest, PaddedRequest, RequestingLayer, post
 from kvpatch.cache.store import CompressedStore
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class SharedContextStore:
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.view(), self.values.view()
 
-    def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_view(self, layer: RequestingLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tails, posted with a :class:`~kvpatch.cache.requests.PackedRequest`: the
         attention function reads the context in place, or asks for :meth:`padded_view`."""
         keys, values = self.tail()
@@ -156,7 +156,7 @@ class SharedContextStore:
             torch.cat([expand(context_values), values], dim=-2),
         )
 
-    def padded_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded_view(self, layer: RequestingLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`dense` (a per-row copy of the context, for the stock kernels), posted with the
         :class:`~kvpatch.cache.requests.PaddedRequest` a compressed layer's padded view has."""
         keys, values = self.dense()

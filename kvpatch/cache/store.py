@@ -10,18 +10,14 @@ appending a decoded token copies that token only.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvpatch.cache.buffer import GrowingBuffer
 from kvpatch.cache.packed import PackedKV, storage_nbytes
 from kvpatch.cache.quantized import Quantization
-from kvpatch.cache.requests import PackedRequest, PaddedRequest, post
+from kvpatch.cache.requests import PackedRequest, PaddedRequest, RequestingLayer, post
 from kvpatch.policies import Plan
-
-if TYPE_CHECKING:
-    from kvpatch.cache.layer import CompressedLayer
 
 
 class CompressedStore:
@@ -233,7 +229,7 @@ class CompressedStore:
         values[:, :, length:] = tail_values
         return keys, values
 
-    def attention_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_view(self, layer: RequestingLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """What a layer's ``update`` returns: the padded view when it costs no copy (every token
         stored dense), else the tail posted with a :class:`~kvpatch.cache.requests.PackedRequest`:
         the attention function reads the packed tokens in place or asks for :meth:`padded_view`."""
@@ -242,7 +238,7 @@ class CompressedStore:
         keys, values = self.tail()
         return post(keys, PackedRequest(layer, self)), values
 
-    def padded_view(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded_view(self, layer: RequestingLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`dense`, posted with the :class:`~kvpatch.cache.requests.PaddedRequest` that the
         attention function reads."""
         keys, values = self.dense()
