@@ -151,6 +151,7 @@ def test_plan_that_keeps_everything_at_full_width():
     class KeepAllFullWidth(TokenScorer):
         ratio = 0.0
         name = "all-full-width"
+        keeps_everything = False  # its plan, which packs nothing, is what is tested
 
         def score(self, inputs: LayerInputs) -> torch.Tensor:
             return torch.zeros(inputs.keys.shape[:3])

@@ -193,7 +193,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         """Replace the prefill by what ``policy`` keeps (called once, right after the prefill,
         or with the ``plan`` made for every layer at once)."""
         self.deferred = self.reconstructing = self.reconstruction_scores = None
-        if policy is None or inputs.num_tokens <= 1:
+        if kept_whole(policy, inputs, decode_budget, self.quantization):
             self.lifecycle.move(Phase.DENSE)
             return
         self.lifecycle.move(Phase.COMPRESSED)
@@ -227,7 +227,7 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         """Hold the prefill densely until the cache compresses every layer together."""
         if decode_budget is not None:
             check_decode_budget(policy, decode_budget)
-        if inputs.num_tokens <= 1:
+        if kept_whole(policy, inputs, decode_budget, self.quantization):
             self.lifecycle.move(Phase.DENSE)
             return
         self.lifecycle.move(Phase.WAITING)
@@ -319,3 +319,19 @@ class CompressedLayer(HeldTensors, HiddenScores, Reconstructed, DynamicLayer):
         if self.store is not None:
             return self.store.kv_nbytes()
         return storage_nbytes(self.keys, self.values) if self.is_initialized else 0
+
+
+def kept_whole(
+    policy: Policy | None,
+    inputs: LayerInputs,
+    budget: DecodeBudget | None,
+    quantization: Quantization | None,
+) -> bool:
+    """Whether a prefill is kept as it is, a plain dense layer: no policy, a single token, or a
+    policy that keeps everything (ratio 0), with no budget in tokens to meet later and no
+    quantized storage. Deciding it from settings alone keeps a ratio-0 forward free of branches on
+    tensor values (``torch.export``)."""
+    if policy is None or inputs.num_tokens <= 1:
+        return True
+    later = inputs.keep_tokens is not None or budget is not None
+    return policy.keeps_everything and not later and quantization is None

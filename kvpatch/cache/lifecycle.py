@@ -52,11 +52,22 @@ class LifecycleError(RuntimeError):
 
 
 class Lifecycle:
-    """A layer's phase; ``RECONSTRUCTING`` remembers the phase it returns to."""
+    """A layer's phase; ``RECONSTRUCTING`` remembers the phase it returns to.
+
+    The phases are held by their names: plain data, which ``torch.export`` flattens and rebuilds
+    with the cache (an enum member cannot be rebuilt from its attributes)."""
 
     def __init__(self) -> None:
-        self.phase = Phase.EMPTY
-        self._before_reconstruction: Phase | None = None
+        self._phase = Phase.EMPTY.value
+        self._before_reconstruction: str | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return Phase(self._phase)
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase.value
 
     def move(self, to: Phase) -> None:
         if to is not self.phase and to not in MOVES[self.phase]:
@@ -66,14 +77,14 @@ class Lifecycle:
                 f"(from {self.phase.value!r}: {allowed})"
             )
         if to is Phase.RECONSTRUCTING and self.phase is not Phase.RECONSTRUCTING:
-            self._before_reconstruction = self.phase
+            self._before_reconstruction = self._phase
         self.phase = to
 
     def end_reconstruction(self) -> None:
         """Back to the phase the reconstruction started from."""
         if self.phase is not Phase.RECONSTRUCTING:
             raise LifecycleError(f"a layer in phase {self.phase.value!r} is not reconstructing")
-        self.phase, self._before_reconstruction = self._before_reconstruction, None
+        self._phase, self._before_reconstruction = self._before_reconstruction, None
 
     def reset(self) -> None:
-        self.phase, self._before_reconstruction = Phase.EMPTY, None
+        self._phase, self._before_reconstruction = Phase.EMPTY.value, None

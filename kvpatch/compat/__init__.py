@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import sys
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -230,7 +233,7 @@ def cache_of(output) -> object | None:
     return None
 
 
-def rotary_function(model: torch.nn.Module) -> Callable | None:
+def rotary_function(model: torch.nn.Module) -> RotaryEmbedding | None:
     """The rotary embedding of the model's full-attention layers as ``positions [n] -> (cos, sin)``
     (each ``[n, head_dim]``, float32), or None for a model without one.
 
@@ -241,16 +244,40 @@ def rotary_function(model: torch.nn.Module) -> Callable | None:
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is None:
         return None
+    key = _rotary_keys.setdefault(rotary, next(_next_rotary_key))
+    _rotary_modules[key] = rotary
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    return RotaryEmbedding(key, takes_layer_type)
 
-    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+#: the rotary modules :class:`RotaryEmbedding` refers to, by key, and their keys (never reused);
+#: held weakly, so that they go with their model
+_rotary_modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_rotary_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+_next_rotary_key = itertools.count()
+
+
+@dataclass(frozen=True)
+class RotaryEmbedding:
+    """A model's rotary embedding, called as ``positions [n] -> (cos, sin)``.
+
+    It refers to the module by a key instead of holding it or a closure over it, so that a cache
+    that remembers it is plain data: ``torch.export`` flattens the cache's state and rebuilds it
+    from its attributes, which a module's methods or a closure do not survive.
+    """
+
+    key: int
+    takes_layer_type: bool
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = _rotary_modules.get(self.key)
+        if rotary is None:
+            raise RuntimeError("the model this rotary embedding belongs to no longer exists")
         anchor = torch.zeros(1, device=positions.device, dtype=torch.float32)
-        extra = {"layer_type": "full_attention"} if takes_layer_type else {}
+        extra = {"layer_type": "full_attention"} if self.takes_layer_type else {}
         with torch.no_grad():
             cos, sin = rotary(anchor, positions[None], **extra)
         return cos[0].float(), sin[0].float()
-
-    return cos_sin
 
 
 def tensor_parallel_kwargs(world_size: int) -> dict:

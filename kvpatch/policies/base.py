@@ -59,6 +59,12 @@ class Policy(ABC):
         return 0
 
     @property
+    def keeps_everything(self) -> bool:
+        """Whether the policy keeps every token and channel (a ratio of 0): its layers then stay
+        plain dense layers, never planned. A policy that decides otherwise says False."""
+        return False
+
+    @property
     def reconstruction(self) -> Reconstruction | None:
         """The pass over the context that scores the tokens after the prefill, or None: the
         cache then holds the whole prefill until :mod:`kvpatch.feed.reconstruction` has run it,
@@ -121,6 +127,10 @@ class TokenScorer(Policy):
     def protected_tokens(self) -> int:
         return self.n_sink
 
+    @property
+    def keeps_everything(self) -> bool:
+        return self.ratio == 0  # the top (1 - 0) * n of n real tokens: all of them
+
     @abstractmethod
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Return ``[batch, kv_heads, tokens]`` scores; higher is kept first."""
@@ -166,6 +176,10 @@ class ChannelSelector(Policy):
 
     def kept_channels(self, head_dim: int) -> int:
         return head_dim - math.floor(head_dim * self.ratio)
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.ratio == 0  # head_dim - floor(0) channels: all of them
 
     @property
     def full_width_tokens(self) -> int:
@@ -245,6 +259,10 @@ class Composed(Policy):
     def name(self) -> str:
         parts = (self.channels, self.value_channels, self.tokens)
         return "+".join(p.name for p in parts if p is not None)
+
+    @property
+    def keeps_everything(self) -> bool:
+        return all(part.keeps_everything for part in (*self.selectors, self.tokens) if part)
 
     @property
     def reconstruction(self) -> Reconstruction | None:

@@ -199,7 +199,9 @@ class Plan:
             )
         if not 0 <= self.full_width_from <= t:
             raise ValueError(f"full_width_from must be in [0, {t}], got {self.full_width_from}")
-        if (self.keep & ~inputs.head_valid).any():
+        # a branch on tensor values: checked in eager runs only (torch.compile and torch.export
+        # trace the forward, where such a branch cannot be decided)
+        if not torch.compiler.is_compiling() and (self.keep & ~inputs.head_valid).any():
             raise ValueError("a plan must not keep padding tokens")
         for name, width in (
             ("channels", inputs.keys.shape[-1]),

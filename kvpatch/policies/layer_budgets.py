@@ -29,16 +29,31 @@ class GlobalBudgets(WrapsScorer, Policy):
     scores are known; alone (one layer, e.g. while decoding) it shares the budget among that
     layer's heads like :class:`~kvpatch.policies.AdaKV`.
 
+    A layer whose scores live on a smaller scale than the others' (Gemma 3's deepest full-attention
+    layer under KVzip) can lose all but its sinks to a single ranking; ``layer_floor`` keeps a
+    share of every layer's uniform budget for the best of its own tokens whatever the scale, and
+    ranks the rest across layers.
+
     Parameters
     ----------
     scorer : TokenScorer
         Scores tokens; its ``ratio`` is the model's ratio.
+    layer_floor : float, default 0.0
+        Share of its uniform budget each layer keeps of its own best tokens before the rest of the
+        budget is ranked across layers: 0 ranks every token together (KVzip's global budgets), 1
+        gives every layer its uniform budget, shared among its heads by score.
     """
 
     scorer: TokenScorer
+    layer_floor: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_scorer()
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise ValueError(
+                f"GlobalBudgets needs layer_floor in [0, 1] (a share of each layer's uniform "
+                f"budget), got {self.layer_floor!r}"
+            )
 
     @property
     def needs_all_layers(self) -> bool:
@@ -55,8 +70,11 @@ class GlobalBudgets(WrapsScorer, Policy):
         self, inputs: list[LayerInputs], must_keep: list[torch.Tensor | None] | None = None
     ) -> list[Plan]:
         scores = self._rule_scores(inputs, must_keep)
-        pairs = zip(scores, inputs, strict=True)
-        budget = sum(row_budget(s, x, self.ratio) for s, x in pairs)  # [batch]
+        budgets = [row_budget(s, x, self.ratio) for s, x in zip(scores, inputs, strict=True)]
+        if self.layer_floor > 0:
+            floors = [torch.floor(b * self.layer_floor).long() for b in budgets]
+            scores = [with_floor(s, f) for s, f in zip(scores, floors, strict=True)]
+        budget = sum(budgets)  # [batch]
         shapes = [s.shape for s in scores]
         flat = torch.cat([s.flatten(1) for s in scores], dim=1)  # [batch, layers * heads * tokens]
         keep = select_top(flat, budget).split([s[1] * s[2] for s in shapes], dim=1)
@@ -65,3 +83,11 @@ class GlobalBudgets(WrapsScorer, Policy):
             Plan(keep=k.reshape(shape).clone(), channels=None, full_width_from=shape[2])
             for k, shape in zip(keep, shapes, strict=True)
         ]
+
+
+def with_floor(scores: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``[batch, kv_heads, tokens]`` of one layer with its best ``floor`` ``[batch]``
+    tokens (over all its heads) marked always kept (``+inf``); padding stays out."""
+    flat = scores.flatten(1)
+    best = select_top(flat, floor) & (flat > float("-inf"))
+    return flat.masked_fill(best, float("inf")).view_as(scores)

@@ -44,6 +44,10 @@ class WrapsScorer:
         return self.scorer.n_sink
 
     @property
+    def keeps_everything(self) -> bool:
+        return self.scorer.keeps_everything  # the scorer's ratio is the wrapper's
+
+    @property
     def reconstruction(self) -> Reconstruction | None:
         return self.scorer.reconstruction
 

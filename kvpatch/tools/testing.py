@@ -36,6 +36,7 @@ FAMILY_FIELDS = {
     "qwen2": {},
     "qwen3": {},
     "phi3": {"pad_token_id": None},  # fused q/k/v projection
+    "olmo2": {},  # q/k norms over every head together
     "mistral-sliding": {"sliding_window": 64},  # every layer a sliding window
     "gemma2": {
         "layer_types": ["sliding_attention", "full_attention"],
@@ -60,6 +61,7 @@ def _classes(family: str):
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
         "mistral-sliding": ("MistralConfig", "MistralForCausalLM"),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),

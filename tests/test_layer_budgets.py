@@ -1,0 +1,66 @@
+"""Budgets shared across layers (``global-``): one ranking over every layer, and the floor that
+keeps a layer whose scores live on a smaller scale from losing all its tokens to the others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpatch.policies import GlobalBudgets, LayerInputs, SnapKV, parse_policy
+from kvpatch.tools.testing import seeded
+
+TOKENS, HEADS, RATIO = 100, 2, 0.75
+#: what each layer keeps with uniform budgets: (1 - ratio) of its tokens in each head
+UNIFORM = HEADS * (TOKENS - int(TOKENS * RATIO))
+
+
+def layer_with(scores: torch.Tensor) -> LayerInputs:
+    """A layer whose token scorer's scores are ``scores`` ``[1, heads, tokens]``."""
+    keys = torch.randn(1, HEADS, TOKENS, 8, generator=seeded(1))
+    queries = torch.randn(1, 2 * HEADS, TOKENS, 8, generator=seeded(2))
+    valid = torch.ones(1, TOKENS, dtype=torch.bool)
+    return LayerInputs(queries, keys, keys.clone(), valid, scaling=1.0, scores=scores)
+
+
+@pytest.fixture
+def two_scales():
+    """One layer scoring in [1, 2), one a thousand times lower (as Gemma 3's deepest
+    full-attention layer scores under KVzip), and their scores."""
+    loud = torch.rand(1, HEADS, TOKENS, generator=seeded(3)) + 1.0
+    quiet = torch.rand(1, HEADS, TOKENS, generator=seeded(4)) * 1e-3
+    return [layer_with(loud), layer_with(quiet)], quiet
+
+
+def kept_per_layer(policy: GlobalBudgets, inputs: list[LayerInputs]) -> list[int]:
+    return [int(plan.keep.sum()) for plan in policy.plan_layers(inputs)]
+
+
+def test_one_ranking_starves_the_layer_on_the_smaller_scale(two_scales):
+    inputs, _ = two_scales
+    scorer = SnapKV(ratio=RATIO, n_sink=0)
+    assert kept_per_layer(GlobalBudgets(scorer), inputs) == [2 * UNIFORM, 0]
+
+
+def test_a_floor_keeps_each_layers_best_tokens_and_the_total(two_scales):
+    inputs, quiet = two_scales
+    scorer = SnapKV(ratio=RATIO, n_sink=0)
+    policy = GlobalBudgets(scorer, layer_floor=0.5)
+    plans = policy.plan_layers(inputs)
+    # the quiet layer keeps exactly its floor (its scores win nothing of the rest), the loud one
+    # the rest: the bytes of uniform budgets
+    assert [int(p.keep.sum()) for p in plans] == [2 * UNIFORM - UNIFORM // 2, UNIFORM // 2]
+    best = quiet.flatten().topk(UNIFORM // 2).indices  # its best tokens over both heads
+    assert plans[1].keep.flatten()[best].all()
+
+
+def test_a_whole_floor_is_uniform_layer_budgets(two_scales):
+    inputs, _ = two_scales
+    policy = GlobalBudgets(SnapKV(ratio=RATIO, n_sink=0), layer_floor=1.0)
+    assert kept_per_layer(policy, inputs) == [UNIFORM, UNIFORM]
+
+
+def test_the_floor_is_a_setting_of_the_policy_string():
+    policy = parse_policy("global-snapkv:0.75/layer_floor=0.25")
+    assert isinstance(policy, GlobalBudgets) and policy.layer_floor == 0.25
+    with pytest.raises(ValueError, match=r"layer_floor in \[0, 1\]"):
+        parse_policy("global-snapkv:0.75/layer_floor=2")
