@@ -17,7 +17,7 @@ import torch
 
 from kvpatch.cache.budget import DecodeBudget
 from kvpatch.cache.store import CompressedStore
-from kvpatch.policies import ChannelSelector, Composed, LayerInputs, Policy, TokenScorer
+from kvpatch.policies import LayerInputs, Policy
 from kvpatch.policies.base import DEFAULT_QUERY_WINDOW
 
 #: queries kept by default for compressing again (a policy may read fewer: ``query_window``)
@@ -106,12 +106,11 @@ def scored_for_later(policy: Policy, inputs: LayerInputs) -> LayerInputs:
     budget split still needs: the token scorer's scores, computed now, instead of every query
     (the last ones stay, for a channel policy's window and a decode budget). A reconstruction's
     scores come later, from the pass; a policy of another kind keeps its inputs whole."""
-    tokens = token_part(policy)
-    scorer = getattr(tokens, "scorer", None)  # the scorer that global or pyramid budgets share
+    scorer = policy.deferred_scorer
     keep = max(RECENT_QUERIES, policy.query_window, policy.full_width_tokens)
     if policy.reconstruction is not None:
         return dataclasses.replace(inputs, queries=recent(None, inputs.queries, keep))
-    if not isinstance(scorer, TokenScorer):  # a policy of the user's own: it keeps everything
+    if scorer is None:
         return inputs
     scores = scorer.score(inputs)
     return dataclasses.replace(
@@ -121,9 +120,7 @@ def scored_for_later(policy: Policy, inputs: LayerInputs) -> LayerInputs:
 
 def token_part(policy: Policy) -> Policy | None:
     """The part of ``policy`` that evicts tokens, or None for channel pruning alone."""
-    if isinstance(policy, Composed):
-        return policy.tokens
-    return None if isinstance(policy, ChannelSelector) else policy
+    return policy.token_part
 
 
 def check_max_kv_tokens(tokens: int | None, policy: Policy | None) -> int | None:

@@ -65,6 +65,19 @@ class Policy(ABC):
         return False
 
     @property
+    def token_part(self) -> Policy | None:
+        """The part of the policy that evicts tokens (what compressing again runs), or None for
+        channel pruning alone."""
+        return self
+
+    @property
+    def deferred_scorer(self) -> TokenScorer | None:
+        """The token scorer whose scores a layer waiting for every layer keeps, computed at its
+        prefill, instead of its queries (shared budgets rank them later); None: the layer keeps
+        its inputs whole (a policy of the user's own)."""
+        return None
+
+    @property
     def reconstruction(self) -> Reconstruction | None:
         """The pass over the context that scores the tokens after the prefill, or None: the
         cache then holds the whole prefill until :mod:`kvpatch.feed.reconstruction` has run it,
@@ -185,6 +198,10 @@ class ChannelSelector(Policy):
     def full_width_tokens(self) -> int:
         return self.window
 
+    @property
+    def token_part(self) -> Policy | None:
+        return None  # it keeps every token
+
     def full_width_from(self, inputs: LayerInputs) -> int:
         return max(inputs.num_tokens - self.window, 0)
 
@@ -263,6 +280,14 @@ class Composed(Policy):
     @property
     def keeps_everything(self) -> bool:
         return all(part.keeps_everything for part in (*self.selectors, self.tokens) if part)
+
+    @property
+    def token_part(self) -> Policy | None:
+        return self.tokens
+
+    @property
+    def deferred_scorer(self) -> TokenScorer | None:
+        return None if self.tokens is None else self.tokens.deferred_scorer
 
     @property
     def reconstruction(self) -> Reconstruction | None:

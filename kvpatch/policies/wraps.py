@@ -48,6 +48,10 @@ class WrapsScorer:
         return self.scorer.keeps_everything  # the scorer's ratio is the wrapper's
 
     @property
+    def deferred_scorer(self) -> TokenScorer:
+        return self.scorer  # the scores that budgets across layers rank
+
+    @property
     def reconstruction(self) -> Reconstruction | None:
         return self.scorer.reconstruction
 
