@@ -22,6 +22,7 @@ import torch
 from kvpatch import policies
 from kvpatch.cache import CompressedDynamicCache, Quantization, serial
 from kvpatch.compat import rotary_function
+from kvpatch.files import checked_tensors, checksum, tensor_bytes
 from kvpatch.policies import fitted_maps
 
 FORMAT = "kvpatch-context"
@@ -94,15 +95,7 @@ def load(model: torch.nn.Module, path: str | os.PathLike):
     ``path``, for ``model`` (the same weights, config and dtype as when it was saved)."""
     header = read_header(path)
     _check_model(header, model, path)
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    if checksum(header, tensors) != header.get("checksum"):
-        raise ValueError(
-            f"{path} is damaged: its header and tensors do not match the checksum it was saved with"
-        )
-    device = next(model.parameters()).device
-    tensors = {name: t.to(device) for name, t in tensors.items()}
+    tensors = checked_tensors(path, header, next(model.parameters()).device)
     cache = CompressedDynamicCache(
         config=model.config,
         policy=decode_policy(header["policy"]),
@@ -147,25 +140,8 @@ def fingerprint(model: torch.nn.Module) -> dict:
     weights = hashlib.sha256()
     for name, parameter in model.named_parameters():
         weights.update(name.encode())
-        weights.update(_as_bytes(parameter))
+        weights.update(tensor_bytes(parameter))
     return {"config": fitted_maps.computed_config(model), "weights": weights.hexdigest()}
-
-
-def checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the header (but its checksum) and of every tensor's name, shape and bytes."""
-    digest = hashlib.sha256()
-    described = {k: v for k, v in header.items() if k != "checksum"}
-    digest.update(json.dumps(described, sort_keys=True).encode())
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(str(tuple(tensors[name].shape)).encode())
-        digest.update(_as_bytes(tensors[name]))
-    return digest.hexdigest()
-
-
-def _as_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def encode_policy(policy: policies.Policy | None):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvpatch.paths import cache_dir
+from kvpatch.files import cache_dir, checked_tensors, checksum
 
 #: the kinds of map: a linear layer per model layer, or a two-layer MLP per model layer
 MAP_KINDS = ("linear", "mlp")
@@ -166,7 +166,7 @@ def save_map(
         "model": identity(model),
         "fit": report,
     }
-    header["checksum"] = _checksum(header, tensors)
+    header["checksum"] = checksum(header, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata={"format": FORMAT, "header": json.dumps(header)})
@@ -185,15 +185,7 @@ def load_map(path: str | os.PathLike, model: torch.nn.Module) -> HiddenStateMap:
         )
     header = _read_header(path)
     _check_model(header, model, path)
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    if _checksum(header, tensors) != header.get("checksum"):
-        raise ValueError(
-            f"{path} is damaged: its tensors do not match the checksum it was saved with"
-        )
-    device = next(model.parameters()).device
-    tensors = {name: t.to(device) for name, t in tensors.items()}
+    tensors = checked_tensors(path, header, next(model.parameters()).device)
     return HiddenStateMap(header["kind"], layers=list(header["layers"]), **tensors)
 
 
@@ -237,15 +229,3 @@ def _check_model(header: dict, model: torch.nn.Module, path: Path) -> None:
             f"{path} was fitted for a model with other weights (same config); fit a map for this "
             "one with kvpatch fit-scorer"
         )
-
-
-def _checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    described = {k: v for k, v in header.items() if k != "checksum"}
-    digest.update(json.dumps(described, sort_keys=True).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()

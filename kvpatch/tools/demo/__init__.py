@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvpatch.paths import cache_dir
+from kvpatch.files import cache_dir
 from kvpatch.tools.demo import wheels
 from kvpatch.tools.demo.conversion import MARKER, convert
 from kvpatch.tools.demo.models import (
