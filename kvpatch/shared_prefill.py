@@ -100,15 +100,25 @@ class SharedPrefill:
                 disable(model)
         return cls(recorder.inputs, cache.uncompressed, out.logits, seconds, ids)
 
-    def cache(self, model, policy: str | None, length: int | None = None, tokenizer=None):
+    def cache(
+        self,
+        model,
+        policy: str | None,
+        length: int | None = None,
+        tokenizer=None,
+        recent_tokens: int = 0,
+    ):
         """A cache holding the first ``length`` tokens, compressed with ``policy`` (None: a stock
-        ``DynamicCache``), as a prefill of those tokens would have left it. A policy that
+        ``DynamicCache``), as a prefill of those tokens would have left it, the last
+        ``recent_tokens`` of them kept (:class:`~kvpatch.CompressedDynamicCache`'s). A policy that
         reconstructs its context does so once per prefix and reconstruction (``tokenizer`` gives
         its prompt); other ratios reuse it."""
         if policy is None:
             cache = DynamicCache(config=model.config)
         else:
-            cache = CompressedDynamicCache(config=model.config, policy=policy)
+            cache = CompressedDynamicCache(
+                config=model.config, policy=policy, recent_tokens=recent_tokens
+            )
             cache.policy.prepare(model)
         length = length or self.input_ids.shape[1]
         self.reused_reconstruction_s = 0.0
@@ -130,6 +140,7 @@ class SharedPrefill:
                     if inputs.hidden_states is None
                     else inputs.hidden_states[:, :length],
                 )
+            inputs = dataclasses.replace(inputs, recent_tokens=recent_tokens)
             layer.update(inputs.keys, inputs.values)
             if isinstance(layer, CompressedLayer):
                 if deferred:

@@ -271,6 +271,70 @@ def test_generate_reconstructs_the_prompt(policy):
     assert torch.equal(logits[1:].argmax(-1).T, out[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize(
+    "policy", ["kvzip:0.75", "global-kvzip:0.75", "ada-kvzip:0.75", "think:0.5+kvzip-plus:0.75"]
+)
+def test_generate_keeps_the_question_at_the_end_of_its_prompt(policy):
+    """With the question in the prompt, every layer and head keeps the last ``prompt_window``
+    tokens generate prefilled, within the same budget; the same tokens prefilled as a context
+    for later questions (kvpatch.prefill) keep no such window and lose some of them."""
+    model = make_model("llama")
+    ids = prompt(300)
+    window = parse_policy(policy).prompt_window
+    assert window == 64
+    name = compat.cache_argument(model)
+    with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
+        cache = CompressedDynamicCache(config=model.config)
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{name: cache})
+        context = kvpatch.prefill(model, ids[:, :-1])  # generate prefills all but the last token
+    prefilled = ids.shape[1] - 1
+    asked, alone = evictions_of(cache), evictions_of(context.cache)
+    assert asked.keys() == alone.keys() and asked
+    for index in asked:
+        question = asked[index].keep[..., prefilled - window : prefilled]
+        assert question.all(), f"layer {index} dropped some of the question's tokens"
+    dropped = [(~e.keep[..., prefilled - window : prefilled]).sum() for e in alone.values()]
+    assert sum(dropped) > 0
+    kept = lambda evictions: sum(int(e.keep[..., :prefilled].sum()) for e in evictions.values())
+    assert kept(asked) == kept(alone)  # the window is kept within the budget
+
+
+def test_a_prompt_window_of_zero_keeps_what_a_context_keeps():
+    model = make_model("llama")
+    ids = prompt(300)
+    name = compat.cache_argument(model)
+    with kvpatch.enabled(
+        model, "kvzip:0.75/prompt_window=0", tokenizer=byte_tokenizer(chat_template=False)
+    ):
+        cache = CompressedDynamicCache(config=model.config)
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{name: cache})
+        context = kvpatch.prefill(model, ids[:, :-1])
+    prefilled = ids.shape[1] - 1
+    asked, alone = evictions_of(cache), evictions_of(context.cache)
+    assert asked.keys() == alone.keys() and asked
+    for index in asked:
+        assert torch.equal(asked[index].keep[..., :prefilled], alone[index].keep), index
+
+
+@pytest.mark.parametrize("chunk_size", [None, 90], ids=["one-forward", "chunks"])
+def test_a_cache_keeps_its_recent_tokens_in_one_forward_or_in_chunks(chunk_size):
+    """``recent_tokens`` keeps the last tokens of the whole prefill, not of its first chunk, for
+    any scorer, within the budget."""
+    model = make_model("llama")
+    ids = prompt(300)
+    with kvpatch.enabled(model, "keydiff:0.75"):
+        held = kvpatch.prefill(model, ids, chunk_size=chunk_size, recent_tokens=40).cache
+        plain = kvpatch.prefill(model, ids, chunk_size=chunk_size).cache
+    for index, eviction in evictions_of(held).items():
+        assert eviction.keep[..., -40:].all(), index
+    assert any(not e.keep[..., -40:].all() for e in evictions_of(plain).values())
+    if chunk_size is not None:  # the first chunk's end is not the prefill's: not all kept
+        assert any(not e.keep[..., 50:90].all() for e in evictions_of(held).values())
+    assert [int(n.sum()) for n in held.physical_lengths() if n is not None] == [
+        int(n.sum()) for n in plain.physical_lengths() if n is not None
+    ]
+
+
 @GENERATION_MODES
 def test_generate_modes_with_kvzip_match_oracle(settings):
     """The prompt is reconstructed once, then the cache is expanded for beams or returned
@@ -642,5 +706,6 @@ def test_generate_reconstructs_into_a_cache_built_without_config():
             **{compat.cache_argument(model): cache},
         )
     heads = model.config.num_key_value_heads
-    # 119 prompt tokens compressed to 60 per head, then the last prompt token and 2 generated
-    assert [int(n.sum()) for n in cache.physical_lengths()] == [heads * (60 + 3)] * 2
+    # 119 prompt tokens compressed to 60 per head, raised to the 4 sinks and the prompt's last 64
+    # tokens, then the last prompt token and 2 generated
+    assert [int(n.sum()) for n in cache.physical_lengths()] == [heads * (4 + 64 + 3)] * 2

@@ -41,12 +41,13 @@ def setup():
     return model, tokenizer, ids, shared
 
 
-def own_prefill(model, ids, policy, tokenizer):
+def own_prefill(model, ids, policy, tokenizer, recent_tokens=0):
     if policy is None:
         cache = DynamicCache(config=model.config)
         model(ids, use_cache=True, **{compat.cache_argument(model): cache})
         return cache
-    return kvpatch.prefill(model, ids, policy=policy, tokenizer=tokenizer).cache
+    options = dict(policy=policy, tokenizer=tokenizer, recent_tokens=recent_tokens)
+    return kvpatch.prefill(model, ids, **options).cache
 
 
 def next_logits(model, cache, token: torch.Tensor) -> torch.Tensor:
@@ -55,12 +56,13 @@ def next_logits(model, cache, token: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("policy", [None, "snapkv:0.5", "ada-knorm:0.75", "global-kvzip:0.75"])
 @pytest.mark.parametrize("length", [TOKENS, 70], ids=["whole", "prefix"])
+@pytest.mark.parametrize("recent", [0, 30], ids=["context", "question-window"])
 @torch.no_grad()
-def test_a_shared_prefill_builds_what_a_prefill_of_those_tokens_does(setup, policy, length):
+def test_a_shared_prefill_builds_what_a_prefill_of_those_tokens_does(setup, policy, length, recent):
     model, tokenizer, ids, shared = setup
     with kvpatch.enabled(model):
-        built = shared.cache(model, policy, length, tokenizer)
-        own = own_prefill(model, ids[:, :length], policy, tokenizer)
+        built = shared.cache(model, policy, length, tokenizer, recent_tokens=recent)
+        own = own_prefill(model, ids[:, :length], policy, tokenizer, recent_tokens=recent)
         for index, (a, b) in enumerate(zip(built.layers, own.layers, strict=True)):
             if isinstance(b, CompressedLayer):
                 assert torch.equal(a.physical_lengths(), b.physical_lengths()), index

@@ -37,6 +37,7 @@ def compress_prefill(
         layer_idx=getattr(module, "layer_idx", 0) or 0,
         rotary=rotary_of(module),
         sink_tokens=request.sink_tokens,
+        recent_tokens=request.recent_tokens,
         keep_tokens=request.keep_tokens,
         hidden_states=hidden,
     )

@@ -57,6 +57,10 @@ class CompressedDynamicCache(DynamicCache):
     sink_tokens : int, default 0
         Leading real tokens of each row every token policy keeps, on top of its own ``n_sink``:
         a chat template's system prefix (:func:`kvpatch.prefill` and the pipeline set it).
+    recent_tokens : int, default 0
+        Trailing real tokens of each row's prefill every token policy keeps: the question at the
+        end of a prompt (``generate`` on an enabled model sets the policy's
+        :attr:`~kvpatch.policies.Policy.prompt_window`).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class CompressedDynamicCache(DynamicCache):
         quantize: str | int | Quantization | None = None,
         max_kv_tokens: int | None = None,
         sink_tokens: int = 0,
+        recent_tokens: int = 0,
         **kwargs,
     ):
         if config is not None and not isinstance(config, PretrainedConfig):
@@ -85,9 +90,10 @@ class CompressedDynamicCache(DynamicCache):
             check_decode_budget(self.policy, self.decode_budget)
         check_chunk_size(prefill_chunk_size, self.policy, "prefill_chunk_size")
         self.prefill_chunk_size = prefill_chunk_size
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
-        self.sink_tokens = sink_tokens
+        for name, count in (("sink_tokens", sink_tokens), ("recent_tokens", recent_tokens)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {count!r}")
+        self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.max_kv_tokens = check_max_kv_tokens(max_kv_tokens, self.policy)
         #: set by ``generate`` for assisted decoding: the first forward's tokens that are the
         #: prompt, compressed alone (the candidates after them stay in the tail, to be cropped)
@@ -122,6 +128,7 @@ class CompressedDynamicCache(DynamicCache):
         if isinstance(request, PrefillRequest):  # what the cache adds to its layer's request
             request.policy, request.decode_budget = self.policy, self.decode_budget
             request.sink_tokens, request.prompt_tokens = self.sink_tokens, self.prompt_tokens
+            request.recent_tokens = self.recent_tokens
             request.keep_tokens = self.max_kv_tokens
         return keys, values
 

@@ -67,9 +67,10 @@ class HeldStore(Protocol):
 class PrefillRequest:
     """The keys of a layer's first forward: attend with the stock kernel, then compress.
 
-    ``policy`` is the cache's own policy, which overrides the model's; ``sink_tokens`` the
-    cache's leading tokens to keep; ``prompt_tokens``, if set, how many of the forward's tokens
-    are compressed (the others, assisted decoding's candidates, stay in the tail);
+    ``policy`` is the cache's own policy, which overrides the model's; ``sink_tokens`` and
+    ``recent_tokens`` the cache's leading and trailing tokens to keep; ``prompt_tokens``, if
+    set, how many of the forward's tokens are compressed (the others, assisted decoding's
+    candidates, stay in the tail);
     ``keep_tokens``, if set, how many each head keeps instead of the policy's ratio.
     """
 
@@ -77,6 +78,7 @@ class PrefillRequest:
     policy: Policy | None = None
     decode_budget: DecodeBudget | None = None
     sink_tokens: int = 0
+    recent_tokens: int = 0
     prompt_tokens: int | None = None
     keep_tokens: int | None = None
 

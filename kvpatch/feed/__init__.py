@@ -14,6 +14,7 @@ prompt (finding a tokenizer may read the model's checkpoint directory).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -125,29 +126,45 @@ def prefill_into(
 def _prefill_in_chunks(model, cache, input_ids, attention_mask, get_tokenizer, chunk_size):
     """The first chunk as a plain prefill (reaching one real token of every left-padded row, and
     two tokens at least: a one-token prefill is not compressed), then each next chunk appended
-    and every layer compressed back to its budget."""
+    and every layer compressed back to its budget. The cache's ``recent_tokens`` are the last
+    of the whole prefill: each compression keeps those it has seen."""
     padding = int((attention_mask == 0).sum(-1).max())
-    end = max(chunk_size, padding + 1, 2)
-    logits = prefill_into(model, cache, input_ids[:, :end], attention_mask[:, :end], get_tokenizer)
-    while end < input_ids.shape[1]:
-        start, end = end, min(end + chunk_size, input_ids.shape[1])
-        logits, layers = forward_appended(
-            model, cache, input_ids[:, :end], attention_mask[:, :end], start
+    end, length = max(chunk_size, padding + 1, 2), input_ids.shape[1]
+    recent = cache.recent_tokens
+    # left padding: the last columns of a prefix that are among the prefill's last tokens
+    seen_of_recent = lambda end: max(0, recent - (length - end))
+    try:
+        cache.recent_tokens = seen_of_recent(end)
+        logits = prefill_into(
+            model, cache, input_ids[:, :end], attention_mask[:, :end], get_tokenizer
         )
-        _compress_held(layers, attention_mask[:, :end])
+        while end < length:
+            start, end = end, min(end + chunk_size, length)
+            logits, layers = forward_appended(
+                model, cache, input_ids[:, :end], attention_mask[:, :end], start
+            )
+            _compress_held(layers, attention_mask[:, :end], seen_of_recent(end))
+    finally:
+        cache.recent_tokens = recent
     return logits
 
 
-def _compress_held(layers: list[CompressedLayer], attention_mask: torch.Tensor) -> None:
+def _compress_held(
+    layers: list[CompressedLayer], attention_mask: torch.Tensor, recent_tokens: int = 0
+) -> None:
     """Every layer back to the policy's share of the real tokens seen, scored with the queries
-    of the chunk just appended (all layers planned at once, for shared budgets)."""
+    of the chunk just appended (all layers planned at once, for shared budgets), keeping the
+    last ``recent_tokens``."""
     if not layers:
         return
     seen = attention_mask.sum(-1)
     tokens = token_part(layers[0].policy)
     ratio = tokens.ratio if tokens is not None else 0.0
     budget = seen - torch.floor(seen.double() * ratio + 1e-9).long()
-    inputs = [layer.held_inputs(budget) for layer in layers]
+    inputs = [
+        dataclasses.replace(layer.held_inputs(budget), recent_tokens=recent_tokens)
+        for layer in layers
+    ]
     if tokens is None:  # channels only: every token stays, the window moves on
         keeps = [x.head_valid for x in inputs]
     else:

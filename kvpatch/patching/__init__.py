@@ -246,6 +246,7 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     if policy is None:
         return
+    cache.recent_tokens = max(cache.recent_tokens, policy.prompt_window)  # the question's tokens
     policy.prepare(model)
     if reconstruction_of(policy) is not None or cache.prefill_chunk_size is not None:
         _prefill_for_generate(model, cache, ids, kwargs)

@@ -59,6 +59,14 @@ class Policy(ABC):
         return 0
 
     @property
+    def prompt_window(self) -> int:
+        """How many of the last tokens of a prompt that ``generate`` continues from (the question,
+        when it is in the prompt) every layer and head keeps, for a policy whose scores do not
+        favour them; a context compressed for later questions (:func:`kvpatch.prefill`) keeps no
+        such window."""
+        return 0
+
+    @property
     def keeps_everything(self) -> bool:
         """Whether the policy keeps every token and channel (a ratio of 0): its layers then stay
         plain dense layers, never planned. A policy that decides otherwise says False."""
@@ -313,6 +321,10 @@ class Composed(Policy):
     @property
     def query_window(self) -> int:
         return self.tokens.query_window if self.tokens is not None else DEFAULT_QUERY_WINDOW
+
+    @property
+    def prompt_window(self) -> int:
+        return 0 if self.tokens is None else self.tokens.prompt_window
 
     def plan(self, inputs: LayerInputs, must_keep: torch.Tensor | None = None) -> Plan:
         return self.plan_layers([inputs], [must_keep])[0]

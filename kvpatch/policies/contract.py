@@ -67,6 +67,8 @@ class LayerInputs:
         when the policy asked for one.
     sink_tokens : leading real tokens the context itself asks to keep (a chat template's system
         prefix), on top of the policy's own ``n_sink``.
+    recent_tokens : trailing real tokens the prompt asks to keep (the question of a prompt that
+        ``generate`` continues from, :attr:`Policy.prompt_window`).
     at_start : whether the tokens begin the sequence, so that its leading ones are the sinks
         (False for a segment appended later, e.g. a chat turn).
     scores : Tensor ``[batch, kv_heads, tokens]``, the token scorer's own scores, computed at the
@@ -89,6 +91,7 @@ class LayerInputs:
     query_positions: torch.Tensor | None = None
     reconstruction_scores: torch.Tensor | None = None
     sink_tokens: int = 0
+    recent_tokens: int = 0
     at_start: bool = True
     scores: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
@@ -246,14 +249,17 @@ def scores_with_rules(
     scores: torch.Tensor, inputs: LayerInputs, must_keep: torch.Tensor | None, n_sink: int = 0
 ) -> torch.Tensor:
     """Apply the rules every token policy shares: padding is never kept, ``must_keep`` always is,
-    and so are the sinks: the first ``max(n_sink, inputs.sink_tokens)`` real tokens of each head
-    when ``inputs`` begins the sequence."""
+    and so are the sinks, the first ``max(n_sink, inputs.sink_tokens)`` real tokens of each head
+    when ``inputs`` begins the sequence, and its last ``inputs.recent_tokens`` real tokens."""
     scores = scores.float()
+    valid = inputs.head_valid
     sinks = max(n_sink, inputs.sink_tokens) if inputs.at_start else 0
     if sinks:
-        valid = inputs.head_valid
         leading = valid & (valid.long().cumsum(-1) <= sinks)
         scores = scores.masked_fill(leading, float("inf"))
+    if inputs.recent_tokens:
+        trailing = valid & (valid.long().flip(-1).cumsum(-1).flip(-1) <= inputs.recent_tokens)
+        scores = scores.masked_fill(trailing, float("inf"))
     if must_keep is not None:
         scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
     return scores.masked_fill(~inputs.head_valid, float("-inf"))

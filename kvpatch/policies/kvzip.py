@@ -41,6 +41,13 @@ class KVzip(TokenScorer):
     kept. Turns appended later (:meth:`~kvpatch.CompressedContext.extend`) are scored with the
     whole-context softmax over what is held.
 
+    The reconstruction scores a prompt's question like any context token, and keeps little of it
+    (repeating a context needs few of its last tokens), so in a prompt that ``generate`` continues
+    from, the last ``prompt_window`` tokens (the question and the chat template's assistant
+    header) are kept in every layer and head, within the budget (raised to them and the sinks
+    for a prompt shorter than that budget allows). A context compressed for later
+    questions (:func:`kvpatch.prefill`) keeps no such window: its whole budget goes to the context.
+
     The scores exist only for a prefill, so KVzip cannot compress while decoding.
 
     Parameters
@@ -58,6 +65,9 @@ class KVzip(TokenScorer):
         time at long contexts (both score a few queries at a time, in bounded memory); on
         SmolLM2-135M "context" keeps more facts with uniform and head-wise budgets and as many
         or more with global ones (README), hence the default.
+    prompt_window : int, default 64
+        Last tokens of a prompt that ``generate`` continues from, always kept (see above); 0
+        keeps none.
     """
 
     ratio: float = 0.5
@@ -65,6 +75,7 @@ class KVzip(TokenScorer):
     n_sink: int = DEFAULT_SINKS
     overlap: int = 8
     normalise: str = "context"
+    prompt_window: int = 64
     name = "kvzip"
     #: weight each score by the token's output norm over the query's hidden-state norm (KVzip+)
     weighted = False
@@ -72,10 +83,11 @@ class KVzip(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
         check_sinks(type(self).__name__, self.n_sink)
-        if self.chunk_size < 1 or self.overlap < 0:
+        if self.chunk_size < 1 or self.overlap < 0 or self.prompt_window < 0:
             raise ValueError(
-                f"{type(self).__name__} needs chunk_size >= 1 and overlap >= 0, got "
-                f"chunk_size={self.chunk_size}, overlap={self.overlap}"
+                f"{type(self).__name__} needs chunk_size >= 1, overlap >= 0 and prompt_window >= 0"
+                f", got chunk_size={self.chunk_size}, overlap={self.overlap}, "
+                f"prompt_window={self.prompt_window}"
             )
         if self.normalise not in NORMALISATIONS:
             raise ValueError(

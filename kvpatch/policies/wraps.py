@@ -69,3 +69,7 @@ class WrapsScorer:
     @property
     def query_window(self) -> int:
         return self.scorer.query_window
+
+    @property
+    def prompt_window(self) -> int:
+        return self.scorer.prompt_window

@@ -224,9 +224,8 @@ def run(args: argparse.Namespace) -> int:
     if args.text_files:
         texts = [path.read_text() for path in args.text_files]
     else:
-        texts = documents(
-            sample_texts(model, tokenizer, args.samples, args.sample_tokens, progress=say)
-        )
+        written = sample_texts(model, tokenizer, args.samples, args.sample_tokens, progress=say)
+        texts = documents(written, args.per_document)
     hidden_map, report = fit_map(
         model, tokenizer, texts, kind=args.kind, held_out=args.held_out, progress=say
     )

@@ -49,6 +49,13 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
         "--sample-tokens", type=int, default=512, help="tokens of each written text (default: 512)"
     )
     parser.add_argument(
+        "--per-document",
+        type=int,
+        default=3,
+        help="written texts joined into one training document (default: 3, ~1,500 tokens; 16 "
+        "texts of 512 tokens make documents of ~8,000, to fit for long contexts)",
+    )
+    parser.add_argument(
         "--held-out", type=int, default=1, help="documents held out to report the fit (default: 1)"
     )
     return parser
@@ -57,8 +64,10 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "kvpatch fit-scorer") -> int:
     options = parser(prog)
     args = options.parse_args(argv)
-    if args.held_out < 1 or args.samples < 2 or args.sample_tokens < 16:
-        options.error("--held-out >= 1, --samples >= 2 and --sample-tokens >= 16")
+    if args.held_out < 1 or args.samples < 2 or args.sample_tokens < 16 or args.per_document < 1:
+        options.error(
+            "--held-out >= 1, --samples >= 2, --sample-tokens >= 16 and --per-document >= 1"
+        )
     from kvpatch.tools.demo import DemoModelUnavailable
     from kvpatch.tools.fitting import run
 

@@ -111,10 +111,19 @@ def answer(
         logits = out.logits
     else:
         options = dict(policy=policy, tokenizer=tokenizer, **(prefill_options or {}))
-        context = kvpatch.prefill(model, ids[:, :split], **options)
+        recent = _question_window(policy, mode)
+        context = kvpatch.prefill(model, ids[:, :split], recent_tokens=recent, **options)
         cache, logits = context.cache, (context.logits if mode == "prefill" else None)
     prefill_s = time.perf_counter() - start
     return _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop)
+
+
+def _question_window(policy: str | None, mode: str) -> int:
+    """The last prompt tokens ``generate`` keeps under ``policy`` with the question in the prompt
+    (its :attr:`~kvpatch.policies.Policy.prompt_window`); none for a context alone."""
+    if policy is None or mode != "prefill":
+        return 0
+    return kvpatch.parse_policy(policy).prompt_window
 
 
 def _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop):
@@ -152,7 +161,7 @@ def answer_shared(
     if context_cache is not None:
         cache = copy.deepcopy(context_cache)
     else:
-        cache = prefill.cache(model, policy, split, tokenizer)
+        cache = prefill.cache(model, policy, split, tokenizer, _question_window(policy, mode))
         reused = prefill.reused_reconstruction_s  # a reconstruction shared with another ratio
     compress_s = time.perf_counter() - start + reused
     logits = prefill.logits if split == ids.shape[1] else None
