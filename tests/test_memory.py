@@ -35,6 +35,19 @@ def test_bytes_after_prefill(policy, kept, dtype):
     assert held / full >= kept - SLACK, "the policy removed more than its ratio"
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_bytes_counted_after_decode_steps(attention):
+    """What a decode step adds beside the keys and values (recent queries, the padding slots a
+    padded view writes fake keys into) is counted too."""
+    model = make_model("llama", attention)
+    with kvpatch.enabled(model, "ada-snapkv:0.75"):
+        cache = prefill(model, CompressedDynamicCache(config=model.config))
+        with torch.no_grad():
+            for token in prompt(4)[0]:
+                model(token.view(1, 1), use_cache=True, **{compat.cache_argument(model): cache})
+    assert cache.nbytes() == held_bytes(cache.layers)
+
+
 def test_storage_not_views_is_counted():
     """A slice that keeps the whole prefill alive would be caught by counting storages."""
     model = make_model("llama", "sdpa")

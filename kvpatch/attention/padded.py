@@ -20,13 +20,16 @@ def attend_padded(
     request.layer.remember_queries(query)
     scale = scaling(module, query, kwargs)
     explicit = kwargs.get("softcap") is not None  # soft-capping bounds logits: no key can zero them
+    flash = backend.startswith("flash")
+    # whether fake keys worked is known from their values only: a traced step (torch.compile)
+    # masks the padding slots instead, which kernels other than flash take
+    explicit = explicit or (torch.compiler.is_compiling() and not flash)
     if request.padding_slots is not None and not explicit:
         explicit = not _write_fake_keys(query, key, request, scale)
     head_padding = None
     if request.padding_slots is not None and explicit:
         slots = torch.arange(request.packed_length, device=key.device)
         head_padding = slots >= request.lengths[..., None]  # [b, h, packed_length]
-    flash = backend.startswith("flash")
     if head_padding is not None and flash:
         # flash kernels take no per-head mask: compute this rare case exactly with plain math
         mask = physical_mask(attention_mask, request, query, key, head_padding, additive=True)
@@ -45,8 +48,8 @@ def _write_fake_keys(query, key, request: PaddedRequest, scale: float) -> bool:
     batch, kv_heads, _, dim = key.shape
     group, q_len = query.shape[1] // kv_heads, query.shape[2]
     grouped = query.reshape(batch, kv_heads, group * q_len, dim)
-    keys, ok = fake_keys(grouped, request.key_norm_bound, scale, key.dtype)
-    rows, heads, slots = request.padding_slots
+    keys, ok = fake_keys(grouped, request.key_norm_bound(), scale, key.dtype)
+    rows, heads, slots = request.padding_slots()
     key[rows, heads, slots] = keys[rows, heads]  # only the padding slots are written
     return bool(ok.all())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from functools import cached_property
 
 import torch
 
@@ -38,6 +37,23 @@ def storage_nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(seen.values())
 
 
+class computed_once:  # lower case: used like functools.cached_property
+    """``functools.cached_property`` without its lock (Python < 3.12 takes an ``RLock`` on first
+    access, which ``torch.compile`` cannot trace: a graph break in every decode step). The value
+    is stored in the instance's ``__dict__``, which later reads find first."""
+
+    def __init__(self, compute):
+        self.compute, self.name = compute, compute.__name__
+        self.__doc__ = compute.__doc__
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = self.compute(instance)
+        instance.__dict__[self.name] = value
+        return value
+
+
 @dataclass
 class PackedKV:
     """Variable-length, channel-pruned keys and values of one layer.
@@ -64,6 +80,14 @@ class PackedKV:
     head_dim: int
     value_dim: int
     value_channels: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # What every decode step reads of the packed part's shape, measured once now, where the
+        # cache compresses (eagerly): a step that measured it would read tensor values, which
+        # torch.compile cannot trace (it would break the graph, or run the step eagerly).
+        self.total_length, self.max_length, self.mean_length  # noqa: B018 (computed once, kept)
+        if not self.is_uniform:
+            self.segments  # noqa: B018 (computed once, kept)
 
     def destinations(self, width: int) -> torch.Tensor:
         """Flat index of each packed row in a padded ``[batch * kv_heads * width]`` grid."""
@@ -129,16 +153,26 @@ class PackedKV:
             return self.keys, self.values
         return self.keys.dequantize(self.lengths), self.values.dequantize(self.lengths)
 
-    @cached_property
+    @computed_once
+    def total_length(self) -> int:
+        """Tokens held by every head together."""
+        return int(self.lengths.sum())
+
+    @computed_once
+    def mean_length(self) -> float:
+        """Tokens a head holds on average, in the batch row holding most."""
+        return float(self.lengths.float().mean(-1).max()) if self.lengths.numel() else 0.0
+
+    @computed_once
     def max_length(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
-    @cached_property
+    @computed_once
     def is_uniform(self) -> bool:
         """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
-        return bool((self.lengths == self.lengths.flatten()[0]).all())
+        return not self.lengths.numel() or bool((self.lengths == self.lengths.flatten()[0]).all())
 
-    @cached_property
+    @computed_once
     def segments(self) -> list[tuple[int, int]]:
         """``(first packed row, tokens)`` of each (batch row, KV head), in row-major order."""
         counts = self.lengths.flatten().tolist()
@@ -151,14 +185,14 @@ class PackedKV:
             return self._segment_views
         return self._views_of(*self.rows())
 
-    @cached_property
+    @computed_once
     def _segment_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._views_of(self.keys, self.values)
 
     def _views_of(self, keys, values) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(keys[i : i + n], values[i : i + n]) for i, n in self.segments]
 
-    @cached_property
+    @computed_once
     def padding_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, heads, slots)`` of the padding slots of the padded layout (the slots from
         each head's length up to ``max_length``)."""
@@ -245,11 +279,9 @@ class PackedKV:
     def slot_positions(self) -> torch.Tensor:
         """Logical position of every slot of :meth:`dense`, ``[batch, kv_heads, max_length]``
         (0 in padding slots)."""
-        return self._padded(self._positions()[:, None]).squeeze(-1)
-
-    def _positions(self) -> torch.Tensor:
-        """Long ``[total_kept]``: the logical position of each packed token, in packing order."""
-        return record.positions(self.record)
+        if record.is_mask(self.record):  # read in place: no shape that depends on the values
+            return record.padded_positions(self.record, self.lengths, self.max_length)
+        return self._padded(record.positions(self.record)[:, None]).squeeze(-1)
 
     def kept_mask(self, length: int) -> torch.Tensor:
         """Bool ``[batch, kv_heads, length]``: which logical positions each head holds here."""
@@ -281,8 +313,11 @@ class PackedKV:
         )
 
     def nbytes(self) -> int:
+        """Bytes of every tensor held: the keys and values, their index, and the padding slots
+        once a padded view has asked for them."""
+        slots = self.__dict__.get("padding_slots", ())
         index = storage_nbytes(self.lengths, self.channels, self.value_channels, self.record)
-        return index + self.kv_nbytes()
+        return index + storage_nbytes(*slots) + self.kv_nbytes()
 
     def kv_nbytes(self) -> int:
         """Bytes of the packed keys and values alone (codes and scales if quantized)."""

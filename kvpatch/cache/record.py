@@ -41,6 +41,16 @@ def positions(record: torch.Tensor) -> torch.Tensor:
     return record.long()
 
 
+def padded_positions(record: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Long ``[batch, kv_heads, width]``: the positions each head of a mask record holds, in
+    order, 0 after its ``lengths`` tokens. A stable sort of the mask, not ``nonzero``, whose
+    output shape would depend on the mask's values (which ``torch.compile`` cannot trace)."""
+    held = _unpack_bits(record)
+    order = torch.sort((~held).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
+    slots = torch.arange(width, device=record.device)
+    return order.masked_fill(slots >= lengths[..., None], 0)
+
+
 def kept_mask(record: torch.Tensor, lengths: torch.Tensor, length: int) -> torch.Tensor:
     """Bool ``[batch, kv_heads, length]``: which logical positions each head holds; ``lengths``
     ``[batch, kv_heads]`` are the tokens each head holds."""

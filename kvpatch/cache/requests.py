@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -110,9 +111,12 @@ class PaddedRequest:
     lengths: torch.Tensor
     packed_length: int
     tail_start: int
-    key_norm_bound: torch.Tensor  # [batch, kv_heads], largest norm of a held key
-    #: ``(rows, heads, slots)`` of the padding slots; None when every head is ``packed_length`` long
-    padding_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    #: ``[batch, kv_heads]``, at least the largest norm of a held key: asked for only where fake
+    #: keys are written (measuring the keys reads their values, which a traced step avoids)
+    key_norm_bound: Callable[[], torch.Tensor]
+    #: ``(rows, heads, slots)`` of the padding slots, asked for only where fake keys are written
+    #: (found from the lengths' values); None when every head is ``packed_length`` long
+    padding_slots: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
 
 
 @dataclass

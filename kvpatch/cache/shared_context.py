@@ -162,17 +162,15 @@ class SharedContextStore:
         keys, values = self.dense()
         packed = self.packed
         lengths = packed.lengths.expand(self.rows, -1)
-        padding = None
-        if not packed.is_uniform:
-            slots = torch.arange(packed.max_length, device=lengths.device)
-            padding = (slots >= lengths[..., None]).nonzero(as_tuple=True)
+        slots = torch.arange(packed.max_length, device=lengths.device)
+        find_padding = lambda: (slots >= lengths[..., None]).nonzero(as_tuple=True)
         request = PaddedRequest(
             layer=layer,
             lengths=lengths,
             packed_length=packed.max_length,
             tail_start=self.context.tail_start,
-            key_norm_bound=self.key_norm_bound,
-            padding_slots=padding,
+            key_norm_bound=lambda: self.key_norm_bound,
+            padding_slots=None if packed.is_uniform else find_padding,
         )
         return post(keys, request), values
 

@@ -107,7 +107,7 @@ class CompressedStore:
 
     def held_per_head(self) -> float:
         """Tokens a head holds on average, in the batch row holding most."""
-        return float(self.packed.lengths.float().mean(-1).max()) + self.tail_length
+        return self.packed.mean_length + self.tail_length
 
     def kept_mask(self) -> torch.Tensor:
         """Bool ``[batch, kv_heads, end]``: which logical positions each head holds."""
@@ -131,7 +131,7 @@ class CompressedStore:
         logical = self.end + appended
         if self.packed.keys is None:  # the packed tokens are in the buffer
             return logical
-        kept = -(-int(self.packed.lengths.sum()) // max(self.packed.lengths.numel(), 1))
+        kept = -(-self.packed.total_length // max(self.packed.lengths.numel(), 1))
         return logical - kept
 
     def truncate_tail(self, remove: int) -> None:
@@ -248,8 +248,8 @@ class CompressedStore:
             lengths=packed.lengths,
             packed_length=packed.max_length,
             tail_start=self.tail_start,
-            key_norm_bound=self.key_norm_bound,
-            padding_slots=None if packed.is_uniform else packed.padding_slots,
+            key_norm_bound=lambda: self.key_norm_bound,
+            padding_slots=None if packed.is_uniform else lambda: packed.padding_slots,
         )
         return post(keys, request), values
 

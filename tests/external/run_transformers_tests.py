@@ -82,9 +82,18 @@ def source_version(source: Path) -> str | None:
     return found.group(1) if found else None
 
 
-def run_pytest(source: Path, test_file: Path, junit: Path, policy: str | None, extra: list[str]):
+def run_pytest(
+    source: Path,
+    test_file: Path,
+    junit: Path,
+    policy: str | None,
+    extra: list[str],
+    slow: bool = False,
+):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(source)])}
     env.pop("KVPATCH_POLICY", None)
+    if slow:  # transformers' slow tests: torch.export and torch.compile among them
+        env["RUN_SLOW"] = "1"
     command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"]
     command += ["--junitxml", str(junit), "-o", "addopts=", *extra]
     if policy is not None:
@@ -112,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("transformers_tests_out"))
     parser.add_argument("--json", type=Path, help="write the summary and regressions here")
     parser.add_argument("-k", help="only the tests pytest -k selects")
+    parser.add_argument(
+        "--slow",
+        action="store_true",
+        help="run transformers' slow tests too (RUN_SLOW=1), e.g. -k 'torch_export or compile'",
+    )
     args = parser.parse_args(argv)
 
     import transformers
@@ -128,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         test_file = args.source / "tests" / "models" / model / f"test_modeling_{model}.py"
         if not test_file.exists():
             parser.error(f"no {test_file}; --models names folders of tests/models")
-        stock = run_pytest(args.source, test_file, args.out / f"{model}.xml", None, extra)
+        stock = run_pytest(
+            args.source, test_file, args.out / f"{model}.xml", None, extra, args.slow
+        )
         without = outcomes_of(stock)
         for policy in args.policies:
             junit = args.out / f"{model}-{re.sub(r'[^a-z0-9.]+', '_', policy)}.xml"
-            with_kvpatch = run_pytest(args.source, test_file, junit, policy, extra)
+            with_kvpatch = run_pytest(args.source, test_file, junit, policy, extra, args.slow)
             report["runs"].append(summarise(model, policy, without, with_kvpatch))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
