@@ -152,6 +152,13 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     record = next(r for r in records if (r["mode"], r["policy"]) == ("prefill", "snapkv"))
     by_token = [float(v) for v in rows[1]["needle_kept_by_token"].split(";")]
     assert by_token == pytest.approx(record["needle_survival"], abs=1e-4) and len(by_token) == 6
+    # each layer's kept share: snapkv keeps half of the prompt (or its window and sinks) in every
+    # layer, with the question in the prefill
+    n = record["prompt_tokens"]
+    kept = max(n - n // 2, min(n, 64 + 4)) / n
+    assert record["layer_kept"] == [pytest.approx(kept, abs=1e-4)] * len(record["layer_kept"])
+    assert len(record["layer_kept"]) >= 2
+    assert next(r for r in records if r["policy"] == "full")["layer_kept"] is None
     assert "| token 1 | token 2 | token 3 | token 4 | token 5 | token 6 |" in table
     assert f"| single | prefill | snapkv | 0.5 | {by_token[0]:.0%} |" in table
     try:

@@ -64,3 +64,25 @@ def test_the_floor_is_a_setting_of_the_policy_string():
     assert isinstance(policy, GlobalBudgets) and policy.layer_floor == 0.25
     with pytest.raises(ValueError, match=r"layer_floor in \[0, 1\]"):
         parse_policy("global-snapkv:0.75/layer_floor=2")
+
+
+def test_stats_give_each_layers_kept_share():
+    """A cache's stats say how a shared budget split between layers: the share of the tokens
+    seen each layer's heads hold, counted from the kept positions themselves."""
+    import kvpatch
+    from kvpatch import CompressedDynamicCache, compat
+    from kvpatch.tools.testing import random_prompt, tiny_model
+
+    model = tiny_model(key_scale=4.0, num_hidden_layers=3)
+    cache = CompressedDynamicCache(config=model.config)
+    with kvpatch.enabled(model, "global-snapkv:0.75/window=8"), torch.no_grad():
+        model(random_prompt(200), use_cache=True, **{compat.cache_argument(model): cache})
+        model(random_prompt(1), use_cache=True, **{compat.cache_argument(model): cache})
+    stats = cache.stats()
+    by_positions = [
+        float(layer.kept.double().sum(-1).mean()) / layer.seen for layer in stats.layers
+    ]
+    assert stats.kept_shares == pytest.approx(by_positions)
+    assert len(set(round(share, 3) for share in stats.kept_shares)) > 1  # budgets were shared
+    # the same bytes as uniform budgets: 50 of 200 prefill tokens a head, plus the decoded one
+    assert sum(stats.kept_shares) * 201 == pytest.approx(3 * (50 + 1))

@@ -41,6 +41,14 @@ class LayerStats:
     kv_nbytes: int = 0
     sliding: bool = False
 
+    @property
+    def kept_share(self) -> float | None:
+        """The share of the tokens seen that a head of this layer holds, on average over its
+        heads and rows; None before the first update."""
+        if self.held is None or not self.seen:
+            return None
+        return float(self.held.double().mean()) / self.seen
+
     def kept_positions(self, row: int, head: int) -> torch.Tensor:
         """Logical positions held by one (batch row, KV head), in order."""
         return self.kept[row, head].nonzero().flatten()
@@ -74,6 +82,12 @@ class CacheStats:
         """Fraction of the uncompressed keys' and values' bytes saved (0 at ratio 0, never
         negative); the index is reported beside it (:attr:`index_nbytes`)."""
         return 1.0 - self.kv_nbytes / self.full_nbytes if self.full_nbytes else 0.0
+
+    @property
+    def kept_shares(self) -> list[float | None]:
+        """Per layer, the share of its tokens seen a head holds (:attr:`LayerStats.kept_share`):
+        how budgets shared across layers split the total."""
+        return [layer.kept_share for layer in self.layers]
 
     @property
     def full_attention(self) -> CacheStats:

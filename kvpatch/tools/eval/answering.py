@@ -16,6 +16,18 @@ from kvpatch.tools.eval.codecs import Codec
 from kvpatch.tools.eval.tasks import Sample
 
 
+def layer_shares(cache) -> list[float | None] | None:
+    """Per layer, the share of the context a head of it holds after compression (None for a
+    sliding-window layer); None for an uncompressed cache."""
+    if not isinstance(cache, kvpatch.CompressedDynamicCache):
+        return None
+    stats = cache.stats()
+    return [
+        None if layer.sliding or share is None else round(share, 4)
+        for layer, share in zip(stats.layers, stats.kept_shares, strict=True)
+    ]
+
+
 def needle_survival(cache, spans: list[list[int]]) -> list[float] | None:
     """For each token of the first expected value, the fraction of (layer, KV head) pairs that
     hold it; None for an uncompressed cache."""
@@ -129,6 +141,7 @@ def _question_window(policy: str | None, mode: str) -> int:
 def _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_tokens, stop):
     kv_bytes = kvpatch.cache_nbytes(cache)
     survival = needle_survival(cache, sample.needle_spans)
+    layer_kept = layer_shares(cache)
     start = time.perf_counter()
     tokens = _finish(model, ids, split, cache, logits, max_new_tokens, stop)
     return {
@@ -138,6 +151,7 @@ def _answer_from(model, sample, ids, split, cache, logits, prefill_s, max_new_to
         "new_tokens": len(tokens),
         "kv_bytes": kv_bytes,
         "needle_survival": survival,
+        "layer_kept": layer_kept,
     }
 
 
