@@ -52,12 +52,21 @@ def results(junit: Path) -> dict[str, tuple[str, str]]:
         name = f"{case.get('classname')}::{case.get('name')}"
         failures = [child for child in case if child.tag in ("failure", "error")]
         if failures:
-            found[name] = ("failed", failures[0].get("message") or failures[0].text or "")
+            found[name] = ("failed", _failure_text(failures[0]))
         elif any(child.tag == "skipped" for child in case):
             found[name] = ("skipped", "")
         else:
             found[name] = ("passed", "")
     return found
+
+
+def _failure_text(failure: ElementTree.Element) -> str:
+    """A failure's message, then the error lines pytest printed for it (``E   ...``): a refusal
+    that a test's own error wraps (its chained cause) is found there."""
+    text = failure.text or ""
+    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    message = failure.get("message") or (errors[0] if errors else text)
+    return "\n".join([message, *errors])
 
 
 def regressions(without: dict[str, str], with_kvpatch: dict[str, str]) -> list[str]:
