@@ -82,12 +82,24 @@ class PackedKV:
     value_channels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # What every decode step reads of the packed part's shape, measured once now, where the
-        # cache compresses (eagerly): a step that measured it would read tensor values, which
-        # torch.compile cannot trace (it would break the graph, or run the step eagerly).
-        self.total_length, self.max_length, self.mean_length  # noqa: B018 (computed once, kept)
-        if not self.is_uniform:
-            self.segments  # noqa: B018 (computed once, kept)
+        # What every decode step reads of the packed part's shape, measured here, where the
+        # cache compresses, from one read of the lengths (one sync on an accelerator): a step
+        # that measured it would read tensor values, which torch.compile cannot trace (it would
+        # break the graph, or run the step eagerly).
+        rows = self.lengths.tolist()
+        counts = [count for row in rows for count in row]
+        #: tokens held by every head together
+        self.total_length: int = sum(counts)
+        #: tokens held by the longest head (the padded layout's width)
+        self.max_length: int = max(counts, default=0)
+        #: tokens a head holds on average, in the batch row holding most
+        self.mean_length: float = max((sum(row) / len(row) for row in rows if row), default=0.0)
+        #: whether every head holds the same number of tokens (then packing is a plain reshape)
+        self.is_uniform: bool = len(set(counts)) <= 1
+        #: ``(first packed row, tokens)`` of each (batch row, KV head), in row-major order
+        self.segments: list[tuple[int, int]] = list(
+            zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True)
+        )
 
     def destinations(self, width: int) -> torch.Tensor:
         """Flat index of each packed row in a padded ``[batch * kv_heads * width]`` grid."""
@@ -152,31 +164,6 @@ class PackedKV:
         if not self.is_quantized:
             return self.keys, self.values
         return self.keys.dequantize(self.lengths), self.values.dequantize(self.lengths)
-
-    @computed_once
-    def total_length(self) -> int:
-        """Tokens held by every head together."""
-        return int(self.lengths.sum())
-
-    @computed_once
-    def mean_length(self) -> float:
-        """Tokens a head holds on average, in the batch row holding most."""
-        return float(self.lengths.float().mean(-1).max()) if self.lengths.numel() else 0.0
-
-    @computed_once
-    def max_length(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
-
-    @computed_once
-    def is_uniform(self) -> bool:
-        """Whether every head holds the same number of tokens (then packing is a plain reshape)."""
-        return not self.lengths.numel() or bool((self.lengths == self.lengths.flatten()[0]).all())
-
-    @computed_once
-    def segments(self) -> list[tuple[int, int]]:
-        """``(first packed row, tokens)`` of each (batch row, KV head), in row-major order."""
-        counts = self.lengths.flatten().tolist()
-        return list(zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True))
 
     def segment_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(keys, values)`` of each (batch row, KV head) in row-major order: views of the packed
