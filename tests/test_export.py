@@ -111,8 +111,12 @@ def greedy_steps(model, forward, cache, prompt, steps: int):
 @pytest.mark.parametrize(("family", "attention", "policy", "options"), COMPILED)
 def test_a_compiled_decode_step_has_no_graph_break(family, attention, policy, options):
     """16 decode steps of torch.compile (its graph capture; the eager backend runs the graphs)
-    on a compressed cache: the eager tokens, and no step falls out of the graph."""
+    on a compressed cache: the eager tokens, no step falls out of the graph, and the graphs are
+    captured once, not at every step."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     model = tiny_model(family, attention, key_scale=4.0)
     prompt = random_prompt(60)
     with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
@@ -123,6 +127,8 @@ def test_a_compiled_decode_step_has_no_graph_break(family, attention, policy, op
         )
     assert tokens == eager
     assert breaks == [0] * 16
+    # captured (not skipped for eager), and recompiled at most for the first dynamic shapes
+    assert 0 < counters["stats"]["unique_graphs"] <= 8
 
 
 def test_a_decode_budget_leaves_the_graph_only_where_it_compresses():
