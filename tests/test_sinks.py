@@ -166,6 +166,23 @@ def test_a_short_document_warns_when_the_preamble_fills_the_budget():
         kvpatch.prefill(model, ids, tokenizer=tokenizer)
 
 
+def test_no_warning_where_the_question_window_keeps_the_whole_prompt():
+    """KVzip keeps a prompt's last 64 tokens when generate continues it: a short prompt is kept
+    whole (preamble and window), so there is nothing to warn about; the same tokens compressed
+    as a context keep no window, and warn."""
+    tokenizer = byte_tokenizer()
+    ids = rendered_document(tokenizer, "Dana meets Ada on Thursday.")
+    preamble = system_prefix_length(tokenizer, ids, torch.ones_like(ids))
+    assert preamble + 64 >= ids.shape[1] - 1  # generate prefills all but the last token
+    model = tiny_model("llama", key_scale=4.0, vocab_size=len(tokenizer))
+    with kvpatch.enabled(model, "kvzip:0.75", tokenizer=tokenizer):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        with pytest.warns(kvpatch.ShortContextWarning, match="preamble"):
+            kvpatch.prefill(model, ids, tokenizer=tokenizer)
+
+
 @pytest.mark.parametrize(
     "policy", ["knorm:0.75", "knorm:0", "keydiff:0.75/window=512", "think:0.5"]
 )

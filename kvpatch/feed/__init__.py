@@ -57,22 +57,25 @@ def keep_system_prefix(
     found = reconstruction.system_prefix_length(tokenizer, input_ids, attention_mask)
     cache.sink_tokens = max(cache.sink_tokens, found)
     if cache.max_kv_tokens is None:
-        warn_if_preamble_fills_budget(policy, cache.sink_tokens, attention_mask)
+        warn_if_preamble_fills_budget(
+            policy, cache.sink_tokens, attention_mask, cache.recent_tokens
+        )
 
 
 def warn_if_preamble_fills_budget(
-    policy: Policy | None, preamble: int, attention_mask: torch.Tensor
+    policy: Policy | None, preamble: int, attention_mask: torch.Tensor, recent: int = 0
 ) -> None:
     """Warn when the always-kept preamble is at least half of the tokens a head keeps of the
     shortest row: a short document compressed at a high ratio then keeps little of its own text
-    (the budget counts the preamble), and answers about it go wrong without an error."""
+    (the budget counts the preamble), and answers about it go wrong without an error. The
+    ``recent`` last tokens (a question window) are kept beside the preamble."""
     tokens = token_part(policy) if policy is not None else None
     ratio = getattr(tokens, "ratio", 0.0)
     if not preamble or not ratio:
         return
     shortest = int(attention_mask.sum(-1).min())
     budget = shortest - math.floor(shortest * ratio + 1e-9)
-    kept = min(shortest, max(budget, tokens.protected_tokens, preamble))
+    kept = min(shortest, max(budget, tokens.protected_tokens, preamble + recent))
     if 2 * preamble <= kept or kept == shortest:  # or a context kept whole: nothing is lost
         return
     # (1 - r) * n >= 2 * preamble keeps at least as many of the context's own tokens

@@ -238,6 +238,8 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     ids = generate_args.prompt_ids(args, kwargs)
     tokenizer = kwargs.get("tokenizer") or _patches[model].tokenizer
     policy = cache.policy if cache.policy is not None else policy_of(model)
+    if policy is not None:  # the question's tokens, kept beside the preamble
+        cache.recent_tokens = max(cache.recent_tokens, policy.prompt_window)
     if ids is not None and tokenizer is not None:
         mask = generate_args.prompt_mask(ids, kwargs)
         keep_system_prefix(cache, tokenizer, ids, mask, policy)
@@ -246,7 +248,6 @@ def _prepare_empty_cache(model, cache: CompressedDynamicCache, args, kwargs) -> 
     check_chunk_size(cache.prefill_chunk_size, policy, "prefill_chunk_size")
     if policy is None:
         return
-    cache.recent_tokens = max(cache.recent_tokens, policy.prompt_window)  # the question's tokens
     policy.prepare(model)
     if reconstruction_of(policy) is not None or cache.prefill_chunk_size is not None:
         _prefill_for_generate(model, cache, ids, kwargs)
