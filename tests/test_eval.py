@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import subprocess
 from dataclasses import asdict
@@ -29,6 +30,7 @@ from kvpatch.tools.eval import (
 )
 from kvpatch.tools.eval.cli import main, parser
 from kvpatch.tools.eval.scoring import wilson_interval
+from kvpatch.tools.eval.tasks import _shaped_needles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,14 +53,15 @@ def test_tasks_hide_their_answers_where_they_say():
         for answer, span in zip(sample.answers, sample.needle_spans, strict=True):
             assert codec.decode([ids[i] for i in span]) == answer
         text = codec.decode(ids)
-        needles = {"single": 1, "multiquestion": 3}.get(task, 4)
+        needles = {"single": 1, "multiquestion": 3, "multifact": 0}.get(task, 4)
         assert text.count("One of the special magic numbers for") == needles
         assert sample.score(" ".join(sample.answers)) == 1.0 and sample.score("nothing") == 0.0
 
 
-def test_multiquestion_asks_each_fact_of_one_context():
+@pytest.mark.parametrize("task", ["multiquestion", "multifact"])
+def test_multiquestion_asks_each_fact_of_one_context(task):
     codec = ByteCodec()
-    samples = make_context("multiquestion", codec, 600, random.Random(0), questions=3)
+    samples = make_context(task, codec, 600, random.Random(0), questions=3)
     assert len(samples) == 3
     context = samples[0].context_ids
     assert all(s.context_ids is context for s in samples)  # one context, three questions
@@ -70,6 +73,33 @@ def test_multiquestion_asks_each_fact_of_one_context():
         assert codec.decode([ids[i] for i in span]) == sample.answers[0]
     numbered = make_samples(["single", "multiquestion"], codec, 300, samples=2)
     assert [s.context for s in numbered] == [0, 1, 2, 2, 2, 3, 3, 3]
+
+
+def test_multifact_asks_each_kind_of_fact_in_its_own_words():
+    codec = ByteCodec()
+    samples = make_context("multifact", codec, 900, random.Random(1), questions=3)
+    text = codec.decode(samples[0].context_ids.tolist())
+    kinds = []
+    for sample in samples:
+        question = codec.decode(sample.question_ids.tolist())
+        (key,) = set(re.findall(r"\b[a-z]+-[a-z]+\b", question))
+        kind = next(n for n in ("vault", "hotel", "card") if n in question)
+        # the words from the sentence's start to the answer name the asked key and kind
+        (answer,) = sample.answers
+        leading = text[: text.index(answer)].rsplit(".", 1)[-1]
+        assert key in leading and kind in leading, (question, leading)
+        # the answer is complete when its value's shape is, and has room for it
+        assert re.fullmatch(sample.answer_pattern(6), answer)
+        assert not re.search(sample.answer_pattern(6), answer[:-1])
+        assert sample.answer_width(6) == len(answer)
+        kinds.append(kind)
+    assert sorted(kinds) == ["card", "hotel", "vault"]
+    # no value holds another (an answer with another fact's value never scores), even for
+    # shapes where a random draw often would
+    rng = random.Random(2)
+    for _ in range(50):
+        drawn = _shaped_needles(rng, [("a", ""), ("b", "")], ["#", "##"])
+        assert drawn[0][1] not in drawn[1][1] and len(drawn[1][1]) == 2
 
 
 def test_chat_asks_for_an_earlier_turn():

@@ -58,7 +58,7 @@ RENAMED = {
 }
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
 #: questions asked of each context, where a task asks more than one
-QUESTIONS = {"multiquestion": 3}
+QUESTIONS = {"multiquestion": 3, "multifact": 3}
 #: a version as a process reports it (a pin such as ``>=4.56,<6`` is not one)
 RELEASE = re.compile(r"\d+(\.\d+)*([.+\-]?[0-9A-Za-z.]+)*")
 

@@ -42,16 +42,17 @@ def needle_survival(cache, spans: list[list[int]]) -> list[float] | None:
 
 
 def new_tokens_for(sample: Sample, digits: int) -> int:
-    """Enough tokens for every value (digits may be one token each) and some punctuation."""
-    return (digits + 4) * len(sample.answers) + 4
+    """Enough tokens for every value (a character may be one token) and some punctuation."""
+    return (sample.answer_width(digits) + 4) * len(sample.answers) + 4
 
 
 class AnswerComplete:
-    """Stops generation once the text holds as many ``digits``-digit numbers as expected."""
+    """Stops generation once the text holds as many values as expected (each matching
+    ``pattern``, :meth:`Sample.answer_pattern`) and does not end in a digit."""
 
-    def __init__(self, codec: Codec, start: int, numbers: int, digits: int):
+    def __init__(self, codec: Codec, start: int, numbers: int, pattern: str):
         self.codec, self.start, self.numbers = codec, start, numbers
-        self.pattern = re.compile(rf"\d{{{digits},}}")
+        self.pattern = re.compile(pattern)
 
     def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
         text = self.codec.decode(input_ids[0, self.start :].tolist())

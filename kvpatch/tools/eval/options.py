@@ -3,8 +3,9 @@
 from kvpatch.tools.loading import DTYPES
 
 #: the tasks: single needle, multi-key (distractors), multi-value, multi-question (three
-#: questions on one compressed context), chat (a history compressed turn by turn)
-TASKS = ("single", "multikey", "multivalue", "multiquestion", "chat")
+#: questions on one compressed context), multi-fact (the same with three kinds of fact), chat
+#: (a history compressed turn by turn)
+TASKS = ("single", "multikey", "multivalue", "multiquestion", "multifact", "chat")
 #: ``chat``: the tokenizer's chat template; ``completion``: plain text, for base models
 PROMPT_FORMATS = ("chat", "completion")
 DEFAULT_POLICIES = ("snapkv", "ada-snapkv", "tova", "knorm", "streamingllm", "think:0.5+snapkv")

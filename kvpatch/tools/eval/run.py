@@ -204,7 +204,8 @@ class _Runner:
     def answer(self, sample: Sample, prefill, spec, mode: str, context_cache) -> dict:
         limit = new_tokens_for(sample, self.config.digits)
         start = int(sample.input_ids.shape[0])
-        stop = AnswerComplete(self.codec, start, len(sample.answers), self.config.digits)
+        pattern = sample.answer_pattern(self.config.digits)
+        stop = AnswerComplete(self.codec, start, len(sample.answers), pattern)
         options = dict(stop=stop, tokenizer=self.tokenizer, context_cache=context_cache)
         if prefill is not None:
             return answer_shared(self.model, sample, prefill, spec, mode, limit, **options)

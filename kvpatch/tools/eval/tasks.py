@@ -9,6 +9,9 @@ A haystack of random common words hides *needles*, ``One of the special magic nu
 - ``multiquestion`` — several needles with different keys, each asked for by its own question
   about the same context (one sample per question, sharing ``context_ids``): compress the context
   once, answer every question from a copy of that cache;
+- ``multifact`` — as ``multiquestion``, but each needle is a different kind of fact
+  (:data:`FACT_KINDS`: a vault's code, a hotel's phone number, a card's PIN), asked in its own
+  words and shape, which a small model mixes up less than three magic numbers;
 - ``chat`` — a conversation: each user turn brings part of the haystack with one needle, the
   assistant acknowledges it, and a last turn asks for the needle of an earlier turn. Compressed
   question-agnostically, the history is compressed turn by turn (``Sample.turns``).
@@ -22,6 +25,8 @@ compressed before the question is seen).
 from __future__ import annotations
 
 import random
+import re
+import string
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +37,37 @@ from kvpatch.tools.eval.words import ADJECTIVES, NOUNS, WORDS
 
 #: the assistant's reply to every turn of a ``chat`` sample
 ACKNOWLEDGEMENT = "Noted."
+
+#: ``multifact``'s kinds of fact: the needle sentence, the question, the answer's start (each
+#: with ``{key}``, the needle with ``{value}``) and the value's shape (``#`` a digit): SmolLM2-135M
+#: answers 0.73 of such facts with its full cache, 0.38 of three magic numbers. Every needle ends
+#: ``is: {value}.``, which locates its tokens
+FACT_KINDS = (
+    (
+        " The secret code of the {key} vault is: {value}.",
+        "What is the secret code of the {key} vault mentioned in the provided text?",
+        "The secret code of the {key} vault is:",
+        "######",
+    ),
+    (
+        " The phone number of the {key} hotel is: {value}.",
+        "What is the phone number of the {key} hotel mentioned in the provided text?",
+        "The phone number of the {key} hotel is:",
+        "###-####",
+    ),
+    (
+        " The PIN of the {key} card is: {value}.",
+        "What is the PIN of the {key} card mentioned in the provided text?",
+        "The PIN of the {key} card is:",
+        "####",
+    ),
+)
+
+#: ``multifact``'s instruction: it names no kind of fact, so that none is favoured
+FACTS_INSTRUCTION = (
+    "Some codes and numbers are hidden within the following text. Make sure to memorize "
+    "them. I will quiz you about them afterwards.\n"
+)
 
 INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize "
@@ -45,7 +81,7 @@ class Sample:
 
     Attributes
     ----------
-    task : ``single``, ``multikey`` or ``multivalue``.
+    task : one of :data:`~kvpatch.tools.eval.options.TASKS`.
     context_ids, question_ids : 1-D token ids; the prompt is their concatenation.
     answers : the values the answer must contain.
     needle_spans : for each expected value, the token positions (in the prompt) of its digits.
@@ -53,6 +89,8 @@ class Sample:
     context : index of the context among the samples; samples of one context share
         ``context_ids`` (``multiquestion``).
     turns : for a conversation (``chat``), where each turn of ``context_ids`` ends.
+    shape : the asked value's shape where it is not a plain number (``multifact``: ``#`` a
+        digit), which tells the answer's length and when it is complete.
     """
 
     task: str
@@ -63,10 +101,22 @@ class Sample:
     depth: float = 0.0
     context: int = 0
     turns: list[int] = field(default_factory=list)
+    shape: str | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.context_ids, self.question_ids])
+
+    def answer_pattern(self, digits: int) -> str:
+        """A regular expression that one complete value matches: the shape's, else a number of
+        at least ``digits`` digits."""
+        if self.shape is None:
+            return rf"\d{{{digits},}}"
+        return "".join(r"\d" if c == "#" else re.escape(c) for c in self.shape)
+
+    def answer_width(self, digits: int) -> int:
+        """Characters of one value: the shape's, else ``digits``."""
+        return digits if self.shape is None else len(self.shape)
 
     def score(self, text: str) -> float:
         """Fraction of the expected values found in ``text`` (1.0 or 0.0 for one value)."""
@@ -89,10 +139,38 @@ def _value(rng: random.Random, taken: set[str], digits: int) -> str:
             return value
 
 
-def _question_text(codec: Codec, key: str, several: bool) -> str:
+def _shaped(rng: random.Random, shape: str) -> str:
+    """A random value of ``shape``: ``#`` a digit (a run of them starts with no 0), anything
+    else itself."""
+    out: list[str] = []
+    for char in shape:
+        if char == "#":
+            leading = not out or not out[-1].isdigit()
+            out.append(rng.choice(string.digits[1:] if leading else string.digits))
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def _shaped_needles(
+    rng: random.Random, needles: list[tuple[str, str]], shapes: list[str]
+) -> list[tuple[str, str]]:
+    """``needles`` with new values of ``shapes``, none inside another (an answer giving another
+    fact's value must not hold the asked one)."""
+    while True:
+        values = [_shaped(rng, shape) for shape in shapes]
+        if not any(a in b for a in values for b in values if a is not b):
+            return [(key, value) for (key, _), value in zip(needles, values, strict=True)]
+
+
+def _question_text(codec: Codec, key: str, several: bool, kind: int | None = None) -> str:
     # "Answer with the number(s) only" and an answer prefix ending in a colon: without them this
     # model often answers with a haystack word instead of the number, even with the full cache
-    if several:
+    if kind is not None:
+        _, asked, start, _ = FACT_KINDS[kind]
+        question = f"{asked.format(key=key)} Answer with the number only."
+        prefix = start.format(key=key)
+    elif several:
         question = (
             f"What are all the special magic numbers for {key} mentioned in the provided text? "
             "Answer with the numbers only."
@@ -178,30 +256,47 @@ def make_context(
     questions: int = 3,
 ) -> list[Sample]:
     """Generate one context of about ``context_tokens`` prompt tokens and the samples that ask
-    about it: one, or ``questions`` for ``multiquestion``."""
+    about it: one, or ``questions`` for ``multiquestion`` and ``multifact``."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if task == "chat":
         return [make_chat(codec, context_tokens, rng, digits, turns=questions)]
-    counts = {"multikey": 1 + distractors, "multiquestion": questions, "multivalue": values}
+    counts = {
+        "multikey": 1 + distractors,
+        "multiquestion": questions,
+        "multifact": questions,
+        "multivalue": values,
+    }
     needles = _needles(rng, counts.get(task, 1), digits, same_key=task == "multivalue")
-    asked = [k for k, _ in needles] if task == "multiquestion" else [needles[0][0]]
-    question_texts = [_question_text(codec, k, task == "multivalue") for k in asked]
+    # one kind of fact per needle for multifact (cycling through the kinds), else magic numbers
+    kinds = [i % len(FACT_KINDS) if task == "multifact" else None for i in range(len(needles))]
+    if task == "multifact":
+        needles = _shaped_needles(rng, needles, [FACT_KINDS[kind][3] for kind in kinds])
+    asked = range(len(needles)) if task in ("multiquestion", "multifact") else [0]
+    question_texts = [
+        _question_text(codec, needles[i][0], task == "multivalue", kinds[i]) for i in asked
+    ]
     before = codec.wrap("\x01")[0]
     longest = max(len(codec.encode(text)[0]) for text in question_texts)
-    overhead = len(codec.encode(before + INSTRUCTION)[0]) + longest
-    sentences = [f" One of the special magic numbers for {k} is: {v}." for k, v in needles]
+    instruction = FACTS_INSTRUCTION if task == "multifact" else INSTRUCTION
+    overhead = len(codec.encode(before + instruction)[0]) + longest
+    sentences = [
+        FACT_KINDS[kind][0].format(key=k, value=v)
+        if kind is not None
+        else f" One of the special magic numbers for {k} is: {v}."
+        for (k, v), kind in zip(needles, kinds, strict=True)
+    ]
     overhead += sum(len(codec.encode(s)[0]) for s in sentences)
     budget = max(context_tokens - overhead, 16)
 
     haystack = _haystack(codec, rng, budget, sentences)
 
-    context_text = before + INSTRUCTION + haystack
+    context_text = before + instruction + haystack
     context_ids, spans = codec.encode(context_text)
     context_tensor = torch.tensor(context_ids, dtype=torch.long)
     samples = []
-    for asked_key, question_text in zip(asked, question_texts, strict=True):
-        answers = [v for k, v in needles if k == asked_key]
+    for index, question_text in zip(asked, question_texts, strict=True):
+        answers = [v for k, v in needles if k == needles[index][0]]
         needle_spans = [_token_span(context_text, spans, f" is: {a}.", a) for a in answers]
         first = min(s[0] for s in needle_spans)
         samples.append(
@@ -212,6 +307,7 @@ def make_context(
                 answers=answers,
                 needle_spans=needle_spans,
                 depth=first / max(len(context_ids), 1),
+                shape=None if kinds[index] is None else FACT_KINDS[kinds[index]][3],
             )
         )
     return samples
@@ -269,7 +365,8 @@ def make_samples(
     tasks: list[str], codec: Codec, context_tokens: int, samples: int, seed: int = 0, **kwargs
 ) -> list[Sample]:
     """``samples`` contexts of each task, reproducible from ``seed``, with their questions'
-    samples (several per context for ``multiquestion``), each numbered by its context."""
+    samples (several per context for ``multiquestion`` and ``multifact``), each numbered by its
+    context."""
     out = []
     contexts = 0
     for task in tasks:
