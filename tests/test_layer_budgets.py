@@ -38,7 +38,13 @@ def kept_per_layer(policy: GlobalBudgets, inputs: list[LayerInputs]) -> list[int
 def test_one_ranking_starves_the_layer_on_the_smaller_scale(two_scales):
     inputs, _ = two_scales
     scorer = SnapKV(ratio=RATIO, n_sink=0)
-    assert kept_per_layer(GlobalBudgets(scorer), inputs) == [2 * UNIFORM, 0]
+    assert kept_per_layer(GlobalBudgets(scorer, layer_floor=0.0), inputs) == [2 * UNIFORM, 0]
+
+
+def test_by_default_each_layer_keeps_a_quarter_of_its_uniform_budget(two_scales):
+    inputs, _ = two_scales
+    kept = kept_per_layer(GlobalBudgets(SnapKV(ratio=RATIO, n_sink=0)), inputs)
+    assert kept == [2 * UNIFORM - UNIFORM // 4, UNIFORM // 4]
 
 
 def test_a_floor_keeps_each_layers_best_tokens_and_the_total(two_scales):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpatch.policies import GlobalBudgets
 from kvpatch.tools.eval.cli import parser
 from kvpatch.tools.eval.config import EvalConfig
 from kvpatch.tools.eval.published import MARKER, expand_markers, published_runs
@@ -51,11 +52,10 @@ SETTINGS = (
     "quantize",
 )
 AS_SETS = ("policies", "ratios", "tasks", "modes")
-#: results stored under a policy's former name: what the command's names add to it today
-RENAMED = {
-    # measured while the chunk's own softmax was KVzip's default (docs/performance.md says so)
-    "results/kvzip-plus": "/normalise=chunk",
-}
+#: when global budgets began to keep a floor in every layer (GlobalBudgets.layer_floor 0.25):
+#: runs started before it ranked every token together, the command's ``layer_floor=0``
+FLOOR_TODAY = GlobalBudgets.__dataclass_fields__["layer_floor"].default
+FLOOR_SINCE = "2026-12-07T04:08:00+00:00"
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
 #: questions asked of each context, where a task asks more than one
 QUESTIONS = {"multiquestion": 3, "multifact": 3}
@@ -103,8 +103,40 @@ COMMANDS = [
 ]
 
 
-def assert_names_its_settings(where: str, argv: list[str]) -> None:
-    """``argv`` parses, writes to a published run, and gives the settings it was made with."""
+def former_defaults(run: str, term: str) -> set[str]:
+    """The settings a policy term of ``run`` had by default then, which its name does not say and
+    today's command must."""
+    made = manifest(run)["provenance"][0]["date"]
+    settings = set()
+    # measured while the chunk's own softmax was KVzip's default (docs/performance.md says so)
+    if run == "kvzip-plus" and "kvzip" in term:
+        settings.add("normalise=chunk")
+    if term.startswith("global-") and made < FLOOR_SINCE:
+        settings.add("layer_floor=0")
+    return settings
+
+
+def spelled(policy: str, run: str | None = None) -> str:
+    """``policy`` as today's names spell it: each term's settings in one order, without those
+    that are today's defaults, and, given the ``run`` it was stored in, with those that were its
+    defaults then (a setting the name gives is kept)."""
+    terms = []
+    for term in policy.split("+"):
+        name, _, given = term.partition("/")
+        settings = {s.strip() for s in given.split(",") if s.strip()}
+        fields = {s.partition("=")[0] for s in settings}
+        if run is not None:
+            former = former_defaults(run, name)
+            settings |= {s for s in former if s.partition("=")[0] not in fields}
+        if name.startswith("global-"):
+            settings.discard(f"layer_floor={FLOOR_TODAY}")
+        terms.append(f"{name}/{','.join(sorted(settings))}" if settings else name)
+    return "+".join(terms)
+
+
+def assert_names_its_settings(where: str, argv: list[str], written_then: bool = False) -> None:
+    """``argv`` parses, writes to a published run, and gives the settings it was made with, as
+    today's names spell them; a command ``written_then`` may leave out what was a default."""
     try:
         args = parser().parse_args(argv)
     except SystemExit:
@@ -112,10 +144,10 @@ def assert_names_its_settings(where: str, argv: list[str]) -> None:
     config = asdict(EvalConfig(**vars(args)))
     output = config["output"].rstrip("/")
     assert (ROOT / output / "manifest.json").is_file(), f"{where}: {output} has no manifest"
-    made_with = manifest(Path(output).name)["config"]
-    renamed = RENAMED.get(output)
-    if renamed:
-        config["policies"] = [p.replace(renamed, "") for p in config["policies"]]
+    run = Path(output).name
+    made_with = dict(manifest(run)["config"])
+    made_with["policies"] = [spelled(p, run) for p in made_with["policies"]]
+    config["policies"] = [spelled(p, run if written_then else None) for p in config["policies"]]
     for name in AS_SETS:
         assert sorted(config[name]) == sorted(made_with[name]), f"{where}: {output}: {name}"
     for name in SETTINGS:
@@ -145,7 +177,7 @@ def test_a_manifest_gives_the_command_that_makes_it(name):
     words = shlex.split(manifest(name)["command"])
     assert words[:3] == PREFIXES[0]
     assert output_of(words) == f"results/{name}"
-    assert_names_its_settings(f"results/{name}/manifest.json", words[3:])
+    assert_names_its_settings(f"results/{name}/manifest.json", words[3:], written_then=True)
 
 
 def _commit_exists(commit: str) -> bool | None:
@@ -291,7 +323,7 @@ README_TABLES = [
     ),
     (
         "| policy | r = 0.5 | 0.75 | 0.9 | KV MB at 0.75 |",
-        ("grid", "kvzap"),
+        ("grid", "kvzap", "layer-floor", "kvzap-layer-floor"),
         [
             *([("accuracy", ("agnostic",), r)] for r in R),
             [("kv_mb", ("prefill", "agnostic"), 0.75)],
@@ -299,7 +331,7 @@ README_TABLES = [
     ),
     (
         "| policy | question in the prompt | question-agnostic |",
-        ("gemma-2k", "gemma-2k-more"),
+        ("gemma-2k", "gemma-2k-more", "gemma-2k-layer-floor-both"),
         [[("accuracy", ("prefill",), r) for r in R], [("accuracy", ("agnostic",), r) for r in R]],
     ),
 ]
@@ -328,7 +360,7 @@ def _policy(label: str) -> str | None:
 def _figure(runs: tuple[str, ...], policy: str, what: str, modes: tuple[str, ...], ratio: float):
     for name in runs:
         for row in manifest(name)["summary"]:
-            if row["task"] != "single" or row["policy"] != policy:
+            if row["task"] != "single" or spelled(row["policy"], name) != spelled(policy):
                 continue
             wanted = 0.0 if policy == "full" else ratio  # the full cache's row serves every ratio
             if row["ratio"] == wanted and row["mode"] == _first_mode(name, policy, modes):
@@ -339,7 +371,8 @@ def _figure(runs: tuple[str, ...], policy: str, what: str, modes: tuple[str, ...
 
 
 def _first_mode(name: str, policy: str, modes: tuple[str, ...]) -> str | None:
-    have = {row["mode"] for row in manifest(name)["summary"] if row["policy"] == policy}
+    rows = manifest(name)["summary"]
+    have = {row["mode"] for row in rows if spelled(row["policy"], name) == spelled(policy)}
     return next((mode for mode in modes if mode in have), None)
 
 
@@ -375,6 +408,20 @@ RERUNS = [
 ]
 
 
+def answer_key(record: dict, run: str | None = None) -> tuple:
+    """A record's cell and sample, known by its needles (its index depends on how many samples
+    each task has) and its policy as today's name spells it (see :func:`spelled`)."""
+    policy = spelled(record["policy"], run)
+    return (
+        record["task"],
+        record["mode"],
+        policy,
+        record["ratio"],
+        str(record["expected"]),
+        record["depth"],
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, policies, model, modes", RERUNS, ids=[f"{r[0]}:{'+'.join(r[1])}" for r in RERUNS]
@@ -389,13 +436,14 @@ def test_a_published_result_reproduces(name, policies, model, modes, tmp_path):
         pytest.skip(f"{model} is not cached: python -m kvpatch.tools.demo --model {model}")
     stored = manifest(name)["config"]
     made_with = {k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__}
-    rerun_with = dict(policies=policies, ratios=[0.75], samples=1, output=str(tmp_path))
+    today = [spelled(p, name) for p in policies]  # what the stored names meant when measured
+    rerun_with = dict(policies=today, ratios=[0.75], samples=1, output=str(tmp_path))
     if modes is not None:
         rerun_with["modes"] = modes
     config = EvalConfig(**{**made_with, **rerun_with, "plot": False, "progress": False})
     rerun = run_eval(config)["records"]
-    # a sample is known by its needles (its index depends on how many samples each task has)
-    key = lambda r: (r["task"], r["mode"], r["spec"], str(r["expected"]), r["depth"])
-    expected = {key(r): r["answer"] for r in records(name)}
-    assert rerun and all(key(r) in expected for r in rerun)
-    assert {key(r): r["answer"] for r in rerun} == {key(r): expected[key(r)] for r in rerun}
+    expected = {answer_key(r, name): r["answer"] for r in records(name)}
+    assert rerun and all(answer_key(r) in expected for r in rerun)
+    assert {answer_key(r): r["answer"] for r in rerun} == {
+        answer_key(r): expected[answer_key(r)] for r in rerun
+    }

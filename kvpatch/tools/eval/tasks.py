@@ -267,50 +267,74 @@ def make_context(
         "multifact": questions,
         "multivalue": values,
     }
-    needles = _needles(rng, counts.get(task, 1), digits, same_key=task == "multivalue")
-    # one kind of fact per needle for multifact (cycling through the kinds), else magic numbers
-    kinds = [i % len(FACT_KINDS) if task == "multifact" else None for i in range(len(needles))]
-    if task == "multifact":
-        needles = _shaped_needles(rng, needles, [FACT_KINDS[kind][3] for kind in kinds])
+    needles = _planted(task, rng, counts.get(task, 1), digits)
     asked = range(len(needles)) if task in ("multiquestion", "multifact") else [0]
     question_texts = [
-        _question_text(codec, needles[i][0], task == "multivalue", kinds[i]) for i in asked
+        _question_text(codec, needles[i][0], task == "multivalue", needles[i][2]) for i in asked
     ]
     before = codec.wrap("\x01")[0]
-    longest = max(len(codec.encode(text)[0]) for text in question_texts)
     instruction = FACTS_INSTRUCTION if task == "multifact" else INSTRUCTION
-    overhead = len(codec.encode(before + instruction)[0]) + longest
-    sentences = [
-        FACT_KINDS[kind][0].format(key=k, value=v)
-        if kind is not None
-        else f" One of the special magic numbers for {k} is: {v}."
-        for (k, v), kind in zip(needles, kinds, strict=True)
-    ]
+    sentences = [_sentence(*needle) for needle in needles]
+    overhead = len(codec.encode(before + instruction)[0])
+    overhead += max(len(codec.encode(text)[0]) for text in question_texts)
     overhead += sum(len(codec.encode(s)[0]) for s in sentences)
-    budget = max(context_tokens - overhead, 16)
+    haystack = _haystack(codec, rng, max(context_tokens - overhead, 16), sentences)
+    context = _Context(before + instruction + haystack, codec)  # one tensor for every question
+    return [
+        _sample(task, codec, context, needles, index, question_text)
+        for index, question_text in zip(asked, question_texts, strict=True)
+    ]
 
-    haystack = _haystack(codec, rng, budget, sentences)
 
-    context_text = before + instruction + haystack
-    context_ids, spans = codec.encode(context_text)
-    context_tensor = torch.tensor(context_ids, dtype=torch.long)
-    samples = []
-    for index, question_text in zip(asked, question_texts, strict=True):
-        answers = [v for k, v in needles if k == needles[index][0]]
-        needle_spans = [_token_span(context_text, spans, f" is: {a}.", a) for a in answers]
-        first = min(s[0] for s in needle_spans)
-        samples.append(
-            Sample(
-                task=task,
-                context_ids=context_tensor,
-                question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
-                answers=answers,
-                needle_spans=needle_spans,
-                depth=first / max(len(context_ids), 1),
-                shape=None if kinds[index] is None else FACT_KINDS[kinds[index]][3],
-            )
-        )
-    return samples
+def _planted(
+    task: str, rng: random.Random, count: int, digits: int
+) -> list[tuple[str, str, int | None]]:
+    """The (key, value, kind) needles of a context: a kind of :data:`FACT_KINDS` each for
+    ``multifact`` (cycling through them, the value of its shape), else magic numbers (None)."""
+    needles = _needles(rng, count, digits, same_key=task == "multivalue")
+    if task != "multifact":
+        return [(key, value, None) for key, value in needles]
+    kinds = [i % len(FACT_KINDS) for i in range(count)]
+    needles = _shaped_needles(rng, needles, [FACT_KINDS[kind][3] for kind in kinds])
+    return [(key, value, kind) for (key, value), kind in zip(needles, kinds, strict=True)]
+
+
+def _sentence(key: str, value: str, kind: int | None) -> str:
+    if kind is None:
+        return f" One of the special magic numbers for {key} is: {value}."
+    return FACT_KINDS[kind][0].format(key=key, value=value)
+
+
+class _Context:
+    """A context's text, its token ids and each token's character span."""
+
+    def __init__(self, text: str, codec: Codec):
+        ids, self.spans = codec.encode(text)
+        self.text, self.ids = text, torch.tensor(ids, dtype=torch.long)
+
+
+def _sample(
+    task: str,
+    codec: Codec,
+    context: _Context,
+    needles: list[tuple[str, str, int | None]],
+    index: int,
+    question_text: str,
+) -> Sample:
+    """The sample asking ``question_text`` about needle ``index`` of ``context`` (every value of
+    its key)."""
+    key, _, kind = needles[index]
+    answers = [v for k, v, _ in needles if k == key]
+    needle_spans = [_token_span(context.text, context.spans, f" is: {a}.", a) for a in answers]
+    return Sample(
+        task=task,
+        context_ids=context.ids,
+        question_ids=torch.tensor(codec.encode(question_text)[0], dtype=torch.long),
+        answers=answers,
+        needle_spans=needle_spans,
+        depth=min(s[0] for s in needle_spans) / max(len(context.ids), 1),
+        shape=None if kind is None else FACT_KINDS[kind][3],
+    )
 
 
 def make_chat(
