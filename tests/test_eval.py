@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpatch.tools.eval import (
     TASKS,
@@ -100,6 +101,31 @@ def test_multifact_asks_each_kind_of_fact_in_its_own_words():
     for _ in range(50):
         drawn = _shaped_needles(rng, [("a", ""), ("b", "")], ["#", "##"])
         assert drawn[0][1] not in drawn[1][1] and len(drawn[1][1]) == 2
+
+
+def test_an_answer_is_complete_when_its_value_is():
+    """Generation stops once the answer holds a whole value of the asked shape and the value has
+    ended; the token budget leaves room for the shape's every character."""
+    from kvpatch.tools.eval.answering import AnswerComplete, new_tokens_for
+
+    codec = ByteCodec()
+    phone = next(
+        s
+        for s in make_context("multifact", codec, 900, random.Random(1), questions=3)
+        if s.shape == "###-####"
+    )
+    magic = make_sample("single", codec, 600, random.Random(0))
+
+    def complete(sample, text):
+        ids = codec.encode(text)[0]
+        stop = AnswerComplete(codec, 0, len(sample.answers), sample.answer_pattern(6))
+        return bool(stop(torch.tensor([ids]))[0])
+
+    assert complete(phone, " 583-0241.") and complete(magic, " 123456.")
+    assert not complete(phone, " 583-02") and not complete(phone, " 583-0241")
+    assert not complete(phone, " 583024.")  # a number, but not a phone number
+    assert not complete(magic, " 12345.")
+    assert new_tokens_for(phone, 6) > new_tokens_for(magic, 6) >= 6 + 1
 
 
 def test_chat_asks_for_an_earlier_turn():
