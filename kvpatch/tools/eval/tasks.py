@@ -38,24 +38,35 @@ from kvpatch.tools.eval.words import ADJECTIVES, NOUNS, WORDS
 #: the assistant's reply to every turn of a ``chat`` sample
 ACKNOWLEDGEMENT = "Noted."
 
-#: ``multifact``'s kinds of fact: the needle sentence, the question, the answer's start (each
-#: with ``{key}``, the needle with ``{value}``) and the value's shape (``#`` a digit): SmolLM2-135M
-#: answers 0.73 of such facts with its full cache, 0.38 of three magic numbers. Every needle ends
-#: ``is: {value}.``, which locates its tokens
+
+@dataclass(frozen=True)
+class FactKind:
+    """One of ``multifact``'s kinds of fact: its needle sentence, question and answer start (each
+    with ``{key}``, the needle with ``{value}``) and its values' shape (``#`` a digit). Every
+    needle ends ``is: {value}.``, which locates its tokens."""
+
+    needle: str
+    question: str
+    answer_start: str
+    shape: str
+
+
+#: ``multifact``'s kinds: SmolLM2-135M answers 0.73 of such facts with its full cache, 0.38 of
+#: three magic numbers
 FACT_KINDS = (
-    (
+    FactKind(
         " The secret code of the {key} vault is: {value}.",
         "What is the secret code of the {key} vault mentioned in the provided text?",
         "The secret code of the {key} vault is:",
         "######",
     ),
-    (
+    FactKind(
         " The phone number of the {key} hotel is: {value}.",
         "What is the phone number of the {key} hotel mentioned in the provided text?",
         "The phone number of the {key} hotel is:",
         "###-####",
     ),
-    (
+    FactKind(
         " The PIN of the {key} card is: {value}.",
         "What is the PIN of the {key} card mentioned in the provided text?",
         "The PIN of the {key} card is:",
@@ -167,9 +178,9 @@ def _question_text(codec: Codec, key: str, several: bool, kind: int | None = Non
     # "Answer with the number(s) only" and an answer prefix ending in a colon: without them this
     # model often answers with a haystack word instead of the number, even with the full cache
     if kind is not None:
-        _, asked, start, _ = FACT_KINDS[kind]
-        question = f"{asked.format(key=key)} Answer with the number only."
-        prefix = start.format(key=key)
+        fact = FACT_KINDS[kind]
+        question = f"{fact.question.format(key=key)} Answer with the number only."
+        prefix = fact.answer_start.format(key=key)
     elif several:
         question = (
             f"What are all the special magic numbers for {key} mentioned in the provided text? "
@@ -295,14 +306,14 @@ def _planted(
     if task != "multifact":
         return [(key, value, None) for key, value in needles]
     kinds = [i % len(FACT_KINDS) for i in range(count)]
-    needles = _shaped_needles(rng, needles, [FACT_KINDS[kind][3] for kind in kinds])
+    needles = _shaped_needles(rng, needles, [FACT_KINDS[kind].shape for kind in kinds])
     return [(key, value, kind) for (key, value), kind in zip(needles, kinds, strict=True)]
 
 
 def _sentence(key: str, value: str, kind: int | None) -> str:
     if kind is None:
         return f" One of the special magic numbers for {key} is: {value}."
-    return FACT_KINDS[kind][0].format(key=key, value=value)
+    return FACT_KINDS[kind].needle.format(key=key, value=value)
 
 
 class _Context:
@@ -333,7 +344,7 @@ def _sample(
         answers=answers,
         needle_spans=needle_spans,
         depth=min(s[0] for s in needle_spans) / max(len(context.ids), 1),
-        shape=None if kind is None else FACT_KINDS[kind][3],
+        shape=None if kind is None else FACT_KINDS[kind].shape,
     )
 
 
@@ -354,13 +365,12 @@ def make_chat(
         f"What is the special magic number for {key} mentioned in the conversation? "
         "Answer with the number only."
     )
-    sentence = lambda k, v: f" One of the special magic numbers for {k} is: {v}."
     overhead = len(codec.encode(INSTRUCTION + question)[0]) + 24 * (turns + 1)
-    overhead += sum(len(codec.encode(sentence(k, v))[0]) for k, v in needles)
+    overhead += sum(len(codec.encode(_sentence(k, v, None))[0]) for k, v in needles)
     budget = max((context_tokens - overhead) // turns, 16)
     messages, ends = [], []
     for index, (k, v) in enumerate(needles):
-        text = _haystack(codec, rng, budget, [sentence(k, v)])
+        text = _haystack(codec, rng, budget, [_sentence(k, v, None)])
         messages.append({"role": "user", "content": (INSTRUCTION if index == 0 else "") + text})
         messages.append({"role": "assistant", "content": ACKNOWLEDGEMENT})
         ends.append(len(codec.conversation(messages)))
