@@ -134,6 +134,12 @@ def reconstruction_scores_of(model, ids: torch.Tensor, scorer: KVzip) -> tuple:
         return [layer.reconstruction_scores[0] for layer in layers], cache
 
 
+def spread_back(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """``scores[..., i]`` raised to the best of the ``span`` tokens after it, token by token."""
+    n = scores.shape[-1]
+    return torch.stack([scores[..., i : i + span + 1].amax(-1) for i in range(n)], dim=-1)
+
+
 def few_queries_at_a_time(monkeypatch) -> None:
     """The whole-context scoring in blocks of a few queries, as at long contexts."""
     monkeypatch.setattr(reconstruction_attention, "ATTEND_ELEMENTS", 4096)
@@ -156,13 +162,15 @@ def test_kvzip_scores_and_keep_set_match_eager_reconstruction(attn, normalise, m
         cache.compress_deferred()
     budget = 300 - math.floor(300 * 0.6)
     for idx, reference in enumerate(expected):
-        reference = reference.clone()
+        reference = spread_back(reference, scorer.span_before)
         reference[:, :4] = math.inf  # sinks
         for head in range(reference.shape[0]):
             kept = cache.stats().layers[idx].kept_positions(0, head)
             assert kept.shape[0] == budget
-            expected_kept = reference[head].topk(budget).indices.sort().values
-            assert torch.equal(kept, expected_kept)
+            # the best: a spread score is shared by its neighbours, so ties are many
+            evicted = torch.ones(300, dtype=torch.bool)
+            evicted[kept] = False
+            assert reference[head][kept].min() >= reference[head][evicted].max()
 
 
 @pytest.mark.parametrize("normalise", ["chunk", "context", "context in blocks"])

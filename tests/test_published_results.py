@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpatch.policies import GlobalBudgets
+from kvpatch.policies import GlobalBudgets, KVzip
 from kvpatch.tools.eval.cli import parser
 from kvpatch.tools.eval.config import EvalConfig
 from kvpatch.tools.eval.published import MARKER, expand_markers, published_runs
@@ -56,6 +56,10 @@ AS_SETS = ("policies", "ratios", "tasks", "modes")
 #: runs started before it ranked every token together, the command's ``layer_floor=0``
 FLOOR_TODAY = GlobalBudgets.__dataclass_fields__["layer_floor"].default
 FLOOR_SINCE = "2026-12-07T04:08:00+00:00"
+#: when KVzip began to keep the tokens leading to a high score (KVzip.span_before 8): runs started
+#: before it scored each token alone, the command's ``span_before=0``
+SPANS_TODAY = KVzip.__dataclass_fields__["span_before"].default
+SPANS_SINCE = "2026-12-07T05:55:00+00:00"
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
 #: questions asked of each context, where a task asks more than one
 QUESTIONS = {"multiquestion": 3, "multifact": 3}
@@ -113,7 +117,14 @@ def former_defaults(run: str, term: str) -> set[str]:
         settings.add("normalise=chunk")
     if term.startswith("global-") and made < FLOOR_SINCE:
         settings.add("layer_floor=0")
+    if _is_kvzip(term) and made < SPANS_SINCE:
+        settings.add("span_before=0")
     return settings
+
+
+def _is_kvzip(term: str) -> bool:
+    """Whether a term's scorer is KVzip or KVzip+ (under any budget prefix or span)."""
+    return term.partition(":")[0].endswith(("kvzip", "kvzip-plus"))
 
 
 def spelled(policy: str, run: str | None = None) -> str:
@@ -130,6 +141,8 @@ def spelled(policy: str, run: str | None = None) -> str:
             settings |= {s for s in former if s.partition("=")[0] not in fields}
         if name.startswith("global-"):
             settings.discard(f"layer_floor={FLOOR_TODAY}")
+        if _is_kvzip(name):
+            settings.discard(f"span_before={SPANS_TODAY}")
         terms.append(f"{name}/{','.join(sorted(settings))}" if settings else name)
     return "+".join(terms)
 
@@ -323,7 +336,7 @@ README_TABLES = [
     ),
     (
         "| policy | r = 0.5 | 0.75 | 0.9 | KV MB at 0.75 |",
-        ("grid", "kvzap", "layer-floor", "kvzap-layer-floor"),
+        ("grid", "kvzap", "layer-floor", "kvzap-layer-floor", "kvzip-spans"),
         [
             *([("accuracy", ("agnostic",), r)] for r in R),
             [("kv_mb", ("prefill", "agnostic"), 0.75)],
@@ -331,7 +344,13 @@ README_TABLES = [
     ),
     (
         "| policy | question in the prompt | question-agnostic |",
-        ("gemma-2k", "gemma-2k-more", "gemma-2k-layer-floor-both"),
+        (
+            "gemma-2k",
+            "gemma-2k-more",
+            "gemma-2k-layer-floor-both",
+            "gemma-2k-kvzip-spans",
+            "gemma-2k-kvzip-spans-prefill",
+        ),
         [[("accuracy", ("prefill",), r) for r in R], [("accuracy", ("agnostic",), r) for r in R]],
     ),
 ]

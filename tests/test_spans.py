@@ -8,8 +8,18 @@ import pytest
 import torch
 
 import kvpatch
-from kvpatch.policies import TOVA, AdaKV, LayerInputs, SnapKV, Spans, SpanSnapKV, SpanTOVA
-from kvpatch.policies.spans import spread_scores
+from kvpatch.policies import (
+    TOVA,
+    AdaKV,
+    GlobalBudgets,
+    KVzip,
+    LayerInputs,
+    SnapKV,
+    Spans,
+    SpanSnapKV,
+    SpanTOVA,
+)
+from kvpatch.policies.contract import spread_scores
 from kvpatch.tools.testing import seeded
 
 
@@ -134,3 +144,47 @@ def test_policy_strings():
         Spans(SnapKV(), after=-1)
     with pytest.raises(ValueError, match="token scorer"):
         Spans(kvpatch.ThinK())
+
+
+def reconstructed(inputs: LayerInputs, scores: torch.Tensor) -> LayerInputs:
+    """``inputs`` with the reconstruction scores a KVzip prefill would give them."""
+    return LayerInputs(**{**vars(inputs), "reconstruction_scores": scores})
+
+
+def test_kvzip_keeps_the_tokens_that_lead_to_a_high_score():
+    """A number whose last digits the reconstruction attends and whose first it passes over (as
+    on Gemma 3): KVzip keeps those last digits alone, with span_before the whole number, in the
+    same budget."""
+    inputs = layer_inputs(batch=1, kv_heads=1, tokens=64)
+    scores = 0.1 + torch.rand(1, 1, 64, generator=seeded(7)) * 0.1
+    number = slice(30, 36)
+    scores[0, 0, 30:33] = 0.0  # the number's first three tokens, passed over
+    scores[0, 0, 33:36] = 1.0  # and its last three
+    inputs = reconstructed(inputs, scores)
+    ratio = 1 - 10 / 64  # 4 sinks and 6 more
+    plain = KVzip(ratio=ratio, span_before=0).plan(inputs).keep[0, 0]
+    spread = KVzip(ratio=ratio, span_before=3).plan(inputs).keep[0, 0]
+    assert plain[33:36].all() and not plain[30:33].any()
+    assert spread[number].all()
+    assert plain.sum() == spread.sum()
+
+
+@pytest.mark.parametrize(("before", "after"), [(0, 0), (8, 0), (3, 2)])
+def test_kvzip_spreads_as_the_reference(before, after):
+    inputs = layer_inputs(padding=5)
+    scores = torch.rand(2, 2, 48, generator=seeded(before + after))
+    got = KVzip(span_before=before, span_after=after).score(reconstructed(inputs, scores))
+    expected = reference_spread(scores, inputs.head_valid, after, before)
+    torch.testing.assert_close(got[inputs.head_valid], expected[inputs.head_valid])
+
+
+def test_kvzip_span_settings_are_its_own_in_policy_strings():
+    """KVzip's spans are settings of the scorer, apart from those of a span- wrapper around it."""
+    policy = kvpatch.parse_policy("global-kvzip:0.75/span_before=8")
+    assert policy == GlobalBudgets(KVzip(ratio=0.75, span_before=8))
+    wrapped = kvpatch.parse_policy("span-kvzip/before=2")
+    assert wrapped == Spans(KVzip(), before=2)
+    deep = kvpatch.parse_policy("global-span-kvzip/span_before=0,before=2")  # two wrappers down
+    assert deep == GlobalBudgets(Spans(KVzip(span_before=0), before=2))
+    with pytest.raises(ValueError, match="span_after=-1"):
+        kvpatch.parse_policy("kvzip/span_after=-1")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 #: keys scored at a time by :meth:`LayerInputs.mean_window_attention` (its workspace is
 #: ``window x SCORE_CHUNK`` fp32 scores per query head, twice)
@@ -298,3 +299,26 @@ def full_width_window(
     if window.dim() == 3:  # per-head validity: the window is kept where any head has it
         window = window.any(1)
     return window if must_keep is None else window | must_keep
+
+
+def spread_scores(
+    scores: torch.Tensor, valid: torch.Tensor, after: int = 8, before: int = 0
+) -> torch.Tensor:
+    """``out[..., i] = max(scores[..., i - after : i + before + 1])`` over real tokens: a score
+    carried to the tokens around it (the span policies, KVzip's ``span_before``).
+
+    ``scores`` is ``[..., tokens]``; ``+inf`` marks protected tokens, which stay ``+inf`` but do not
+    spread (a window would otherwise grow). Padding (``valid`` False) neither gives nor gets a
+    score (it is masked later anyway).
+    """
+    if after < 0 or before < 0:
+        raise ValueError(f"span widths must be >= 0, got after={after}, before={before}")
+    scores = scores.float()
+    protected = torch.isposinf(scores)
+    source = scores.masked_fill(protected | ~valid, float("-inf"))
+    if after or before:
+        padded = F.pad(source, (after, before), value=float("-inf"))
+        source = padded.unfold(-1, after + before + 1, 1).amax(-1)
+    # a token with no scored neighbour at all keeps its own score
+    source = torch.where(torch.isneginf(source), scores, source)
+    return source.masked_fill(protected, float("inf"))

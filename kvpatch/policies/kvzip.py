@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
+from kvpatch.policies.contract import (
+    DEFAULT_SINKS,
+    LayerInputs,
+    check_ratio,
+    check_sinks,
+    spread_scores,
+)
 from kvpatch.policies.needs import Reconstruction, reconstruction_of
 
 #: how KVzip asks the model to reconstruct the context: the first chunk, then the later ones,
@@ -48,6 +54,12 @@ class KVzip(TokenScorer):
     for a prompt shorter than that budget allows). A context compressed for later
     questions (:func:`kvpatch.prefill`) keeps no such window: its whole budget goes to the context.
 
+    A fact is a span of tokens, and the reconstruction need not attend to all of them alike: on
+    Gemma 3 270M it attends to a number's last digits and passes over its first. With
+    ``span_before=N`` a token's score is at least the best score of the ``N`` tokens after it (and
+    with ``span_after=N``, of the ``N`` before it), so a kept token keeps the tokens that lead to
+    it; the budget is unchanged.
+
     The scores exist only for a prefill, so KVzip cannot compress while decoding.
 
     Parameters
@@ -68,6 +80,13 @@ class KVzip(TokenScorer):
     prompt_window : int, default 64
         Last tokens of a prompt that ``generate`` continues from, always kept (see above); 0
         keeps none.
+    span_before : int, default 8
+        How many tokens before a high-scoring token share its score (see above); 0 scores each
+        token alone, as KVzip's authors do. On Gemma 3 270M 8 lifts ``global-kvzip`` at r = 0.75
+        from 0.20 to 0.95 of the needles found at ~2,000 tokens and from 0.25 to 0.80 at ~8,000;
+        SmolLM2-135M's single needle keeps its accuracy (docs/results.md).
+    span_after : int, default 0
+        How many tokens after a high-scoring token share its score.
     """
 
     ratio: float = 0.5
@@ -76,6 +95,8 @@ class KVzip(TokenScorer):
     overlap: int = 8
     normalise: str = "context"
     prompt_window: int = 64
+    span_before: int = 8
+    span_after: int = 0
     name = "kvzip"
     #: weight each score by the token's output norm over the query's hidden-state norm (KVzip+)
     weighted = False
@@ -83,17 +104,23 @@ class KVzip(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
         check_sinks(type(self).__name__, self.n_sink)
-        if self.chunk_size < 1 or self.overlap < 0 or self.prompt_window < 0:
+        if self.chunk_size < 1 or min(self._counts.values()) < 0:
+            given = ", ".join(f"{name}={value}" for name, value in self._counts.items())
             raise ValueError(
-                f"{type(self).__name__} needs chunk_size >= 1, overlap >= 0 and prompt_window >= 0"
-                f", got chunk_size={self.chunk_size}, overlap={self.overlap}, "
-                f"prompt_window={self.prompt_window}"
+                f"{type(self).__name__} needs chunk_size >= 1 and every other count >= 0, got "
+                f"chunk_size={self.chunk_size}, {given}"
             )
         if self.normalise not in NORMALISATIONS:
             raise ValueError(
                 f"{type(self).__name__} normalise must be one of {NORMALISATIONS}, got "
                 f"{self.normalise!r}"
             )
+
+    @property
+    def _counts(self) -> dict[str, int]:
+        """The settings that count tokens and may be 0."""
+        names = ("overlap", "prompt_window", "span_before", "span_after")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def reconstruction(self) -> Reconstruction:
@@ -116,7 +143,9 @@ class KVzip(TokenScorer):
                 "only a prefill can provide (kvpatch.prefill, or generate on an enabled model); "
                 "it cannot be used to compress while decoding (decode_budget)"
             )
-        return inputs.reconstruction_scores.float().clone()
+        return spread_scores(
+            inputs.reconstruction_scores, inputs.head_valid, self.span_after, self.span_before
+        )
 
 
 @dataclass

@@ -42,10 +42,20 @@ def _parse_term(term: str) -> Policy:
     return policy
 
 
+def _wrapped(policy: Policy) -> list[Policy]:
+    """``policy``, the token scorer it wraps, the one that wraps, and so on."""
+    chain = [policy]
+    while getattr(chain[-1], "scorer", None) is not None:
+        chain.append(chain[-1].scorer)
+    return chain
+
+
 def _apply_setting(policy: Policy, setting: str, term: str) -> None:
-    """Set ``FIELD=VALUE`` on ``policy``, or on the token scorer it wraps, and check it again."""
+    """Set ``FIELD=VALUE`` on ``policy``, or on the first token scorer it wraps that has the field
+    (``global-span-kvzip/span_before=0`` reaches KVzip through the budget and the span), and
+    check it again."""
     field, sep, text = (part.strip() for part in setting.partition("="))
-    owners = [policy, getattr(policy, "scorer", None)]
+    owners = _wrapped(policy)
     owner = next((o for o in owners if dataclasses.is_dataclass(o) and field in _fields(o)), None)
     if not sep or owner is None or field == "ratio":
         valid = sorted({f for o in owners if dataclasses.is_dataclass(o) for f in _fields(o)})

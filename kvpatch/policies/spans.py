@@ -14,35 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import LayerInputs
+from kvpatch.policies.contract import LayerInputs, spread_scores
 from kvpatch.policies.snapkv import SnapKV
 from kvpatch.policies.tova import TOVA
 from kvpatch.policies.wraps import WrapsScorer
-
-
-def spread_scores(
-    scores: torch.Tensor, valid: torch.Tensor, after: int = 8, before: int = 0
-) -> torch.Tensor:
-    """``out[..., i] = max(scores[..., i - after : i + before + 1])`` over real tokens.
-
-    ``scores`` is ``[..., tokens]``; ``+inf`` marks protected tokens, which stay ``+inf`` but do not
-    spread (a window would otherwise grow). Padding (``valid`` False) neither gives nor gets a
-    score (it is masked later anyway).
-    """
-    if after < 0 or before < 0:
-        raise ValueError(f"span widths must be >= 0, got after={after}, before={before}")
-    scores = scores.float()
-    protected = torch.isposinf(scores)
-    source = scores.masked_fill(protected | ~valid, float("-inf"))
-    if after or before:
-        padded = F.pad(source, (after, before), value=float("-inf"))
-        source = padded.unfold(-1, after + before + 1, 1).amax(-1)
-    # a token with no scored neighbour at all keeps its own score
-    source = torch.where(torch.isneginf(source), scores, source)
-    return source.masked_fill(protected, float("inf"))
 
 
 @dataclass
