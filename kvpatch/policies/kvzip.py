@@ -84,7 +84,8 @@ class KVzip(TokenScorer):
         How many tokens before a high-scoring token share its score (see above); 0 scores each
         token alone, as KVzip's authors do. On Gemma 3 270M 8 lifts ``global-kvzip`` at r = 0.75
         from 0.20 to 0.95 of the needles found at ~2,000 tokens and from 0.25 to 0.80 at ~8,000;
-        SmolLM2-135M's single needle keeps its accuracy (docs/results.md).
+        on SmolLM2-135M global budgets keep their accuracy and uniform ones gain (``kvzip`` at
+        r = 0.5: 0.45 to 0.85; docs/results.md).
     span_after : int, default 0
         How many tokens after a high-scoring token share its score.
     """
