@@ -108,8 +108,8 @@ class KVzip(TokenScorer):
         if self.chunk_size < 1 or min(self._counts.values()) < 0:
             given = ", ".join(f"{name}={value}" for name, value in self._counts.items())
             raise ValueError(
-                f"{type(self).__name__} needs chunk_size >= 1 and every other count >= 0, got "
-                f"chunk_size={self.chunk_size}, {given}"
+                f"{type(self).__name__} needs chunk_size >= 1 and {', '.join(self._counts)} >= 0"
+                f", got chunk_size={self.chunk_size}, {given}"
             )
         if self.normalise not in NORMALISATIONS:
             raise ValueError(
