@@ -21,7 +21,8 @@ import re
 import shlex
 import subprocess
 from collections import defaultdict
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -52,14 +53,43 @@ SETTINGS = (
     "quantize",
 )
 AS_SETS = ("policies", "ratios", "tasks", "modes")
-#: when global budgets began to keep a floor in every layer (GlobalBudgets.layer_floor 0.25):
-#: runs started before it ranked every token together, the command's ``layer_floor=0``
-FLOOR_TODAY = GlobalBudgets.__dataclass_fields__["layer_floor"].default
-FLOOR_SINCE = "2026-12-07T04:08:00+00:00"
-#: when KVzip began to keep the tokens leading to a high score (KVzip.span_before 8): runs started
-#: before it scored each token alone, the command's ``span_before=0``
-SPANS_TODAY = KVzip.__dataclass_fields__["span_before"].default
-SPANS_SINCE = "2026-12-07T05:55:00+00:00"
+
+
+def _is_kvzip(term: str) -> bool:
+    """Whether a term's scorer is KVzip or KVzip+ (under any budget prefix or span)."""
+    return term.partition(":")[0].endswith(("kvzip", "kvzip-plus"))
+
+
+@dataclass(frozen=True)
+class DefaultChange:
+    """A default that changed after runs were published: a term it ``applies`` to, in a run
+    started before ``since``, ran with ``field=then``, which today's command must spell."""
+
+    applies: Callable[[str], bool]
+    field: str
+    then: str
+    today: object
+    since: str
+
+
+DEFAULT_CHANGES = (
+    # global budgets keep a floor in every layer; before, they ranked every token together
+    DefaultChange(
+        lambda term: term.startswith("global-"),
+        "layer_floor",
+        "0",
+        GlobalBudgets.__dataclass_fields__["layer_floor"].default,
+        "2026-12-07T04:08:00+00:00",
+    ),
+    # KVzip keeps the tokens leading to a high score; before, it scored each token alone
+    DefaultChange(
+        _is_kvzip,
+        "span_before",
+        "0",
+        KVzip.__dataclass_fields__["span_before"].default,
+        "2026-12-07T05:55:00+00:00",
+    ),
+)
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
 #: questions asked of each context, where a task asks more than one
 QUESTIONS = {"multiquestion": 3, "multifact": 3}
@@ -115,16 +145,10 @@ def former_defaults(run: str, term: str) -> set[str]:
     # measured while the chunk's own softmax was KVzip's default (docs/performance.md says so)
     if run == "kvzip-plus" and "kvzip" in term:
         settings.add("normalise=chunk")
-    if term.startswith("global-") and made < FLOOR_SINCE:
-        settings.add("layer_floor=0")
-    if _is_kvzip(term) and made < SPANS_SINCE:
-        settings.add("span_before=0")
+    for change in DEFAULT_CHANGES:
+        if change.applies(term) and made < change.since:
+            settings.add(f"{change.field}={change.then}")
     return settings
-
-
-def _is_kvzip(term: str) -> bool:
-    """Whether a term's scorer is KVzip or KVzip+ (under any budget prefix or span)."""
-    return term.partition(":")[0].endswith(("kvzip", "kvzip-plus"))
 
 
 def spelled(policy: str, run: str | None = None) -> str:
@@ -139,10 +163,9 @@ def spelled(policy: str, run: str | None = None) -> str:
         if run is not None:
             former = former_defaults(run, name)
             settings |= {s for s in former if s.partition("=")[0] not in fields}
-        if name.startswith("global-"):
-            settings.discard(f"layer_floor={FLOOR_TODAY}")
-        if _is_kvzip(name):
-            settings.discard(f"span_before={SPANS_TODAY}")
+        for change in DEFAULT_CHANGES:
+            if change.applies(name):
+                settings.discard(f"{change.field}={change.today}")
         terms.append(f"{name}/{','.join(sorted(settings))}" if settings else name)
     return "+".join(terms)
 
