@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpatch.tools.eval.manifest import MANIFEST, RECORDS, read_manifest
+from kvpatch.tools.eval.manifest import MANIFEST, RECORDS, read_manifest, read_records
 from kvpatch.tools.eval.report import format_run
 
 #: a marker in a page, on a line of its own (one quoted in a sentence stays as written):
@@ -170,17 +170,34 @@ def index_page(runs: dict[str, dict], link: Callable[[str], str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvpatch.tools.eval.published NAME``: a published run's tables; with ``--plot
-    PATH``, its plot drawn to PATH (the README's figure, which GitHub shows without a build)."""
+    PATH``, its plot drawn to PATH (the README's figure, which GitHub shows without a build);
+    with ``--compare FIRST SECOND``, two of its policies compared sample by sample."""
     import argparse
 
+    from kvpatch.tools.eval.paired import compare, format_comparison
     from kvpatch.tools.eval.report import plot_accuracy
 
     p = argparse.ArgumentParser(prog="python -m kvpatch.tools.eval.published")
     p.add_argument("name", help="the run: its folder under --results")
     p.add_argument("--results", default="results", help="the published runs (default: results)")
     p.add_argument("--plot", metavar="PATH", help="draw its plot to PATH instead")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("FIRST", "SECOND"),
+        help="instead, two policies of the run (as its tables name them, 'full' for the full "
+        "cache) on the same samples: which each answers alone, McNemar's exact p-value",
+    )
     args = p.parse_args(argv)
-    summary = read_manifest(Path(args.results) / args.name)["summary"]
+    folder = Path(args.results) / args.name
+    if args.compare is not None:
+        try:
+            counts = compare(read_records(folder), *args.compare)
+        except ValueError as error:
+            p.error(str(error))
+        print(format_comparison(counts, *args.compare), end="")
+        return 0
+    summary = read_manifest(folder)["summary"]
     if args.plot is None:
         print(format_run(summary), end="")
     elif plot_accuracy(summary, Path(args.plot)) is None:
