@@ -71,6 +71,8 @@ def test_compare_names_the_runs_policies_when_one_is_missing():
     records = [record("full", 0.0, 0, 1), record("snapkv", 0.5, 0, 1)]
     with pytest.raises(ValueError, match=r"no records of 'tova'.*its policies: full, snapkv"):
         compare(records, "snapkv", "tova")
+    with pytest.raises(ValueError, match="no samples of a task, placement and ratio in common"):
+        compare(records, "full", "full")
 
 
 def test_a_published_runs_paired_counts_give_its_accuracies():

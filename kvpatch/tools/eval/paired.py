@@ -68,6 +68,11 @@ def compare(records: Iterable[dict], first: str, second: str) -> list[PairedCoun
         shared = a.keys() & b.keys()
         if shared:
             out.append(_counts(task, mode, ratio, [(a[s], b[s]) for s in sorted(shared)]))
+    if not out:
+        raise ValueError(
+            f"{first!r} and {second!r} answered no samples of a task, placement and ratio in "
+            "common (the full cache is compared at another policy's ratios)"
+        )
     return out
 
 
