@@ -15,7 +15,7 @@ import torch
 from oracle import evictions_of, greedy_logits, oracle_logits
 
 import kvpatch
-from kvpatch.policies import HiddenStateMap, KVzap, fitted_maps
+from kvpatch.policies import HiddenStateMap, KVzap, KVzip, KVzipPlus, fitted_maps
 from kvpatch.tools import fitting
 from kvpatch.tools.testing import tiny_model
 
@@ -320,6 +320,34 @@ def test_ridge_fitting_recovers_a_planted_linear_relation(model, monkeypatch):
     for row in range(len(hidden_map.layers)):
         torch.testing.assert_close(hidden_map.weight[row], planted_w, atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(hidden_map.bias[row], planted_b, atol=2e-3, rtol=1e-3)
+
+
+def test_a_map_learns_the_scores_of_the_target_it_names(model, monkeypatch):
+    """``target`` picks the scorer whose reconstruction scores the fit reads (KVzip+ by default,
+    KVzip on request), and the report names it; a target that scores no reconstruction is
+    refused, naming the valid ones."""
+    real = fitting.features_and_targets
+    seen = []
+
+    def recording(model_, tokenizer, document, scorer=None):
+        seen.append(scorer)
+        return real(model_, tokenizer, document, scorer)
+
+    monkeypatch.setattr(fitting, "features_and_targets", recording)
+    texts = [f"document {i}" for i in range(3)]
+    targets = {}
+    for target, kind in (("kvzip-plus", KVzipPlus), ("kvzip", KVzip)):
+        seen.clear()
+        _, report = fitting.fit_map(model, SpreadTokenizer(), texts, target=target)
+        assert report["target"] == target
+        assert len(seen) == 3 and all(type(s) is kind for s in seen)
+        with kvpatch.enabled(model):
+            targets[target] = real(model, SpreadTokenizer(), texts[0], seen[0])[2]
+    # KVzip+ weighs KVzip's attention by what each value adds: other targets, not a relabelling
+    assert not torch.allclose(targets["kvzip"][0], targets["kvzip-plus"][0])
+    for bad in ("snapkv", "global-kvzip", "kvzip:0"):
+        with pytest.raises(ValueError, match=r"kvzip-plus|ratio above 0"):
+            fitting.fit_map(model, SpreadTokenizer(), texts, target=bad)
 
 
 class SpreadTokenizer:

@@ -126,17 +126,23 @@ def fit_map(
     width: int = 64,
     epochs: int = 300,
     progress: Progress = _quiet,
+    target: str = TARGET_POLICY,
 ) -> tuple[HiddenStateMap, dict]:
     """Fit a map on ``texts`` (documents), the last ``held_out`` of them held out for the
-    report. Returns the map and the report (per layer: R² and rank correlation on the held-out
-    documents, the ridge strength; the tokens used)."""
+    report, to the scores of ``target`` (a policy string naming a scorer that reconstructs the
+    context: KVzip+, as KVzap's authors fit, or KVzip). Returns the map and the report (per
+    layer: R² and rank correlation on the held-out documents, the ridge strength; the tokens
+    used; the target)."""
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kind is 'linear' or 'mlp', got {kind!r}")
+    scorer = reconstructing_scorer(target)
     if len(texts) <= held_out:
         raise ValueError(
             f"fitting needs more documents than the {held_out} held out, got {len(texts)}"
         )
-    layers, per_layer = _collect(model, tokenizer, texts, held_out, kind == "mlp", progress)
+    layers, per_layer = _collect(
+        model, tokenizer, texts, held_out, kind == "mlp", progress, scorer, target
+    )
     params, rows = [], []
     for index in layers:
         found, row = _fit_layer(per_layer[index], kind, width, epochs)
@@ -151,6 +157,7 @@ def fit_map(
     hidden_map = HiddenStateMap(kind, layers=list(layers), **stacked)
     report = {
         "kind": kind,
+        "target": target,
         "documents": len(texts),
         "held_out": held_out,
         "training_tokens": per_layer[layers[0]].moments.n,
@@ -161,7 +168,21 @@ def fit_map(
     return hidden_map, report
 
 
-def _collect(model, tokenizer, texts, held_out, keep_tokens, progress):
+def reconstructing_scorer(target: str) -> TokenScorer:
+    """The scorer a map is fitted to: ``target`` parsed, which must score tokens by
+    reconstructing the context (its scores are what the fit reads)."""
+    scorer = parse_policy(target)
+    if not isinstance(scorer, TokenScorer) or scorer.reconstruction is None:
+        raise ValueError(
+            f"a map is fitted to the scores of a policy that reconstructs the context: "
+            f"'kvzip-plus' (the default) or 'kvzip', with settings if any; got {target!r}"
+        )
+    if scorer.keeps_everything:  # a layer kept whole is never scored
+        raise ValueError(f"the fit's target must drop tokens (a ratio above 0), got {target!r}")
+    return scorer
+
+
+def _collect(model, tokenizer, texts, held_out, keep_tokens, progress, scorer, target):
     """Every document's features and targets, summed per layer (the last ``held_out`` kept
     apart); the layers in order and their :class:`_Layer`."""
     was_enabled = is_enabled(model)
@@ -172,7 +193,7 @@ def _collect(model, tokenizer, texts, held_out, keep_tokens, progress):
     try:
         for number, text in enumerate(texts):
             start = time.perf_counter()
-            layers, xs, ys = features_and_targets(model, tokenizer, text)
+            layers, xs, ys = features_and_targets(model, tokenizer, text, scorer)
             test = number >= len(texts) - held_out
             for index, x, y in zip(layers, xs, ys, strict=True):
                 entry = per_layer.setdefault(index, _Layer())
@@ -186,7 +207,7 @@ def _collect(model, tokenizer, texts, held_out, keep_tokens, progress):
                     entry.train_y.append(y)
             progress(
                 f"document {number + 1}/{len(texts)} ({'held out' if test else 'training'}): "
-                f"{xs[0].shape[0]} tokens scored by {TARGET_POLICY} in "
+                f"{xs[0].shape[0]} tokens scored by {target} in "
                 f"{time.perf_counter() - start:.1f} s"
             )
     finally:
@@ -227,7 +248,13 @@ def run(args: argparse.Namespace) -> int:
         written = sample_texts(model, tokenizer, args.samples, args.sample_tokens, progress=say)
         texts = documents(written, args.per_document)
     hidden_map, report = fit_map(
-        model, tokenizer, texts, kind=args.kind, held_out=args.held_out, progress=say
+        model,
+        tokenizer,
+        texts,
+        kind=args.kind,
+        held_out=args.held_out,
+        progress=say,
+        target=args.target,
     )
     out = args.out or fitted_maps.default_path(model)
     fitted_maps.save_map(out, hidden_map, model, report)

@@ -58,6 +58,12 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
     parser.add_argument(
         "--held-out", type=int, default=1, help="documents held out to report the fit (default: 1)"
     )
+    parser.add_argument(
+        "--target",
+        default=TARGET_POLICY,
+        help=f"the scores the map learns: a policy reconstructing the context, {TARGET_POLICY} "
+        f"(as KVzap's authors fit) or kvzip, settings allowed (default: {TARGET_POLICY})",
+    )
     return parser
 
 
