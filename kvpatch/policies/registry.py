@@ -23,6 +23,8 @@ DEFAULT_RATIO = 0.5
 HIDDEN_STATE_POLICY = "kvzap"
 #: the policy whose scores that map is fitted to (KVzap's paper fits KVzip+'s)
 TARGET_POLICY = "kvzip-plus"
+#: the policies whose scores a map may be fitted to instead: those reconstructing the context
+FIT_TARGETS = (TARGET_POLICY, "kvzip")
 
 #: token scorers by name, as ``module:class`` under kvpatch.policies; each also exists with the
 #: prefix ``span-`` and every prefix of :data:`BUDGET_PREFIXES`

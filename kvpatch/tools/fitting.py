@@ -31,7 +31,7 @@ from kvpatch.feed import reconstruction
 from kvpatch.patching import disable, enable, is_enabled
 from kvpatch.pipeline import context_text
 from kvpatch.policies import HiddenStateMap, TokenScorer, fitted_maps, parse_policy
-from kvpatch.policies.registry import HIDDEN_STATE_POLICY, TARGET_POLICY
+from kvpatch.policies.registry import FIT_TARGETS, HIDDEN_STATE_POLICY, TARGET_POLICY
 from kvpatch.tools.regression import (
     Moments,
     best_ridge,
@@ -130,7 +130,7 @@ def fit_map(
 ) -> tuple[HiddenStateMap, dict]:
     """Fit a map on ``texts`` (documents), the last ``held_out`` of them held out for the
     report, to the scores of ``target`` (a policy string naming a scorer that reconstructs the
-    context: KVzip+, as KVzap's authors fit, or KVzip). Returns the map and the report (per
+    context, :data:`~kvpatch.policies.registry.FIT_TARGETS`). Returns the map and the report (per
     layer: R² and rank correlation on the held-out documents, the ridge strength; the tokens
     used; the target)."""
     if kind not in ("linear", "mlp"):
@@ -175,7 +175,7 @@ def reconstructing_scorer(target: str) -> TokenScorer:
     if not isinstance(scorer, TokenScorer) or scorer.reconstruction is None:
         raise ValueError(
             f"a map is fitted to the scores of a policy that reconstructs the context: "
-            f"'kvzip-plus' (the default) or 'kvzip', with settings if any; got {target!r}"
+            f"{' or '.join(map(repr, FIT_TARGETS))}, with settings if any; got {target!r}"
         )
     if scorer.keeps_everything:  # a layer kept whole is never scored
         raise ValueError(f"the fit's target must drop tokens (a ratio above 0), got {target!r}")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpatch.policies.registry import HIDDEN_STATE_POLICY, TARGET_POLICY
+from kvpatch.policies.registry import FIT_TARGETS, HIDDEN_STATE_POLICY, TARGET_POLICY
 from kvpatch.tools.loading import add_model_options
 
 
@@ -14,8 +14,8 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=f"Fit the {HIDDEN_STATE_POLICY} scorer of a model: a map from each token's "
-        f"hidden state to its {TARGET_POLICY} score, written where the {HIDDEN_STATE_POLICY} "
-        "policy finds it.",
+        f"hidden state to its {TARGET_POLICY} score (or --target's), written where the "
+        f"{HIDDEN_STATE_POLICY} policy finds it.",
     )
     add_model_options(parser, policy=None, new_tokens=False)
     parser.add_argument(
@@ -61,8 +61,9 @@ def parser(prog: str = "kvpatch fit-scorer") -> argparse.ArgumentParser:
     parser.add_argument(
         "--target",
         default=TARGET_POLICY,
-        help=f"the scores the map learns: a policy reconstructing the context, {TARGET_POLICY} "
-        f"(as KVzap's authors fit) or kvzip, settings allowed (default: {TARGET_POLICY})",
+        help=f"the scores the map learns: a policy reconstructing the context, one of "
+        f"{', '.join(FIT_TARGETS)}, settings allowed (default: {TARGET_POLICY}, as the "
+        f"{HIDDEN_STATE_POLICY} paper fits)",
     )
     return parser
 
