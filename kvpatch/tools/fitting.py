@@ -140,9 +140,7 @@ def fit_map(
         raise ValueError(
             f"fitting needs more documents than the {held_out} held out, got {len(texts)}"
         )
-    layers, per_layer = _collect(
-        model, tokenizer, texts, held_out, kind == "mlp", progress, scorer, target
-    )
+    layers, per_layer = _collect(model, tokenizer, texts, held_out, kind == "mlp", progress, scorer)
     params, rows = [], []
     for index in layers:
         found, row = _fit_layer(per_layer[index], kind, width, epochs)
@@ -182,7 +180,7 @@ def reconstructing_scorer(target: str) -> TokenScorer:
     return scorer
 
 
-def _collect(model, tokenizer, texts, held_out, keep_tokens, progress, scorer, target):
+def _collect(model, tokenizer, texts, held_out, keep_tokens, progress, scorer):
     """Every document's features and targets, summed per layer (the last ``held_out`` kept
     apart); the layers in order and their :class:`_Layer`."""
     was_enabled = is_enabled(model)
@@ -207,7 +205,7 @@ def _collect(model, tokenizer, texts, held_out, keep_tokens, progress, scorer, t
                     entry.train_y.append(y)
             progress(
                 f"document {number + 1}/{len(texts)} ({'held out' if test else 'training'}): "
-                f"{xs[0].shape[0]} tokens scored by {target} in "
+                f"{xs[0].shape[0]} tokens scored by {scorer.name} in "
                 f"{time.perf_counter() - start:.1f} s"
             )
     finally:
