@@ -60,14 +60,13 @@ def compare(records: Iterable[dict], first: str, second: str) -> list[PairedCoun
             f"no records of {', '.join(map(repr, missing))} in this run; its policies: "
             f"{', '.join(sorted(answered))}"
         )
-    cells = sorted(_cells(answered[first]) | _cells(answered[second]))
+    cells = sorted({cell for p in (first, second) for cell in answered[p] if cell[2] != 0.0})
     out = []
-    for task, mode, ratio in cells:
-        a = _at(answered[first], first, task, mode, ratio)
-        b = _at(answered[second], second, task, mode, ratio)
+    for cell in cells:
+        a, b = (answered[p].get(_cell_of(p, cell), {}) for p in (first, second))
         shared = a.keys() & b.keys()
         if shared:
-            out.append(_counts(task, mode, ratio, [(a[s], b[s]) for s in sorted(shared)]))
+            out.append(_counts(*cell, [(a[s], b[s]) for s in sorted(shared)]))
     if not out:
         raise ValueError(
             f"{first!r} and {second!r} answered no samples of a task, placement and ratio in "
@@ -76,25 +75,19 @@ def compare(records: Iterable[dict], first: str, second: str) -> list[PairedCoun
     return out
 
 
-def _answered_by_policy(records: Iterable[dict]) -> dict[str, dict[tuple, bool]]:
-    """``{policy: {(task, mode, ratio, sample): answered}}``."""
-    out: dict[str, dict[tuple, bool]] = {}
+def _answered_by_policy(records: Iterable[dict]) -> dict[str, dict[tuple, dict[int, bool]]]:
+    """``{policy: {(task, mode, ratio): {sample: answered}}}``."""
+    out: dict[str, dict[tuple, dict[int, bool]]] = {}
     for r in records:
-        key = (r["task"], r["mode"], r["ratio"], r["sample"])
-        out.setdefault(r["policy"], {})[key] = r["score"] == 1.0
+        cell = (r["task"], r["mode"], r["ratio"])
+        out.setdefault(r["policy"], {}).setdefault(cell, {})[r["sample"]] = r["score"] == 1.0
     return out
 
 
-def _cells(answered: dict[tuple, bool]) -> set[tuple]:
-    """The (task, mode, ratio) a policy answered at; the full cache's ratio 0 is not a cell of its
-    own (it is compared at the other policy's ratios)."""
-    return {key[:3] for key in answered if key[2] != 0.0}
-
-
-def _at(answered: dict[tuple, bool], policy: str, task: str, mode: str, ratio: float) -> dict:
-    """``{sample: answered}`` of one cell (the full cache's, whatever the ratio)."""
-    ratio = 0.0 if policy == FULL else ratio
-    return {k[3]: v for k, v in answered.items() if k[:3] == (task, mode, ratio)}
+def _cell_of(policy: str, cell: tuple) -> tuple:
+    """Where ``policy``'s answers for ``cell`` are: the full cache's at ratio 0, whatever the
+    cell's ratio."""
+    return (*cell[:2], 0.0) if policy == FULL else cell
 
 
 def _counts(task: str, mode: str, ratio: float, pairs: list[tuple[bool, bool]]) -> PairedCounts:
