@@ -3,6 +3,8 @@ keeps a layer whose scores live on a smaller scale from losing all its tokens to
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,6 +59,34 @@ def test_a_floor_keeps_each_layers_best_tokens_and_the_total(two_scales):
     assert [int(p.keep.sum()) for p in plans] == [2 * UNIFORM - UNIFORM // 2, UNIFORM // 2]
     best = quiet.flatten().topk(UNIFORM // 2).indices  # its best tokens over both heads
     assert plans[1].keep.flatten()[best].all()
+
+
+def test_the_floor_is_counted_beyond_the_prompts_window(two_scales):
+    """The last tokens of a prompt (its question) are kept in every layer; a floor counting them
+    would be used up by them at high ratios, and the quiet layer would keep none of its own."""
+    inputs, quiet = two_scales
+    window = UNIFORM // 4  # per head: twice the floor over both heads
+    inputs = [dataclasses.replace(x, recent_tokens=window) for x in inputs]
+    plans = GlobalBudgets(SnapKV(ratio=RATIO, n_sink=0)).plan_layers(inputs)
+    floor, in_window = UNIFORM // 4, HEADS * window
+    assert [int(p.keep.sum()) for p in plans] == [
+        2 * UNIFORM - floor - in_window,
+        floor + in_window,
+    ]
+    kept = plans[1].keep[0]
+    assert kept[:, -window:].all()
+    outside = quiet[0, :, :-window].flatten()
+    best = outside.topk(floor).indices
+    assert kept[:, :-window].flatten()[best].all()
+
+
+def test_a_floor_and_a_window_never_take_more_than_the_layers_budget(two_scales):
+    inputs, _ = two_scales
+    window = TOKENS - int(TOKENS * RATIO)  # the window is the whole budget
+    inputs = [dataclasses.replace(x, recent_tokens=window) for x in inputs]
+    policy = GlobalBudgets(SnapKV(ratio=RATIO, n_sink=0))
+    assert [p.keep[0, :, -window:].all() for p in policy.plan_layers(inputs)] == [True, True]
+    assert kept_per_layer(policy, inputs) == [UNIFORM, UNIFORM]
 
 
 def test_a_whole_floor_is_uniform_layer_budgets(two_scales):

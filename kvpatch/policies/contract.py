@@ -259,11 +259,16 @@ def scores_with_rules(
         leading = valid & (valid.long().cumsum(-1) <= sinks)
         scores = scores.masked_fill(leading, float("inf"))
     if inputs.recent_tokens:
-        trailing = valid & (valid.long().flip(-1).cumsum(-1).flip(-1) <= inputs.recent_tokens)
-        scores = scores.masked_fill(trailing, float("inf"))
+        scores = scores.masked_fill(recent_window(inputs), float("inf"))
     if must_keep is not None:
         scores = scores.masked_fill(must_keep[:, None, :], float("inf"))
     return scores.masked_fill(~inputs.head_valid, float("-inf"))
+
+
+def recent_window(inputs: LayerInputs) -> torch.Tensor:
+    """The last ``inputs.recent_tokens`` real tokens of each head, ``[batch, kv_heads, tokens]``."""
+    valid = inputs.head_valid
+    return valid & (valid.long().flip(-1).cumsum(-1).flip(-1) <= inputs.recent_tokens)
 
 
 def budget_per_head(scores: torch.Tensor, inputs: LayerInputs, ratio: float) -> torch.Tensor:

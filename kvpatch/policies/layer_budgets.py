@@ -12,6 +12,7 @@ from kvpatch.policies.base import Policy, TokenScorer
 from kvpatch.policies.contract import (
     LayerInputs,
     Plan,
+    recent_window,
     row_budget,
     select_top,
 )
@@ -32,7 +33,9 @@ class GlobalBudgets(WrapsScorer, Policy):
     A layer whose scores live on a smaller scale than the others' (Gemma 3's deepest full-attention
     layer under KVzip) can lose all but its sinks to a single ranking; ``layer_floor`` keeps a
     share of every layer's uniform budget for the best of its own tokens whatever the scale, and
-    ranks the rest across layers. Its default, a quarter, comes from measurement (docs/results.md,
+    ranks the rest across layers. The share comes on top of a prompt's window (the question a
+    prompt ends with, kept in every layer: KVzip's ``prompt_window``), which would use it up at
+    high ratios. Its default, a quarter, comes from measurement (docs/results.md,
     "Layer floors for global budgets"): it turns a single ranking's worst failures into gains
     (``global-kvzap`` on SmolLM2-135M at r = 0.9: 0.35 to 0.75; ``global-kvzip`` on Gemma 3 270M
     at r = 0.75: 0.05 to 0.20 at 2,000 tokens, 0.05 to 0.25 at 8,000) and costs at most three
@@ -43,9 +46,10 @@ class GlobalBudgets(WrapsScorer, Policy):
     scorer : TokenScorer
         Scores tokens; its ``ratio`` is the model's ratio.
     layer_floor : float, default 0.25
-        Share of its uniform budget each layer keeps of its own best tokens before the rest of the
-        budget is ranked across layers: 0 ranks every token together (KVzip's global budgets), 1
-        gives every layer its uniform budget, shared among its heads by score.
+        Share of its uniform budget each layer keeps of its own best tokens (besides the
+        prompt's window) before the rest of the budget is ranked across layers: 0 ranks every
+        token together (KVzip's global budgets), 1 gives every layer its uniform budget, shared
+        among its heads by score.
     """
 
     scorer: TokenScorer
@@ -76,7 +80,7 @@ class GlobalBudgets(WrapsScorer, Policy):
         scores = self._rule_scores(inputs, must_keep)
         budgets = [row_budget(s, x, self.ratio) for s, x in zip(scores, inputs, strict=True)]
         if self.layer_floor > 0:
-            floors = [torch.floor(b * self.layer_floor).long() for b in budgets]
+            floors = [self._floor(b, x) for b, x in zip(budgets, inputs, strict=True)]
             scores = [with_floor(s, f) for s, f in zip(scores, floors, strict=True)]
         budget = sum(budgets)  # [batch]
         shapes = [s.shape for s in scores]
@@ -87,6 +91,15 @@ class GlobalBudgets(WrapsScorer, Policy):
             Plan(keep=k.reshape(shape).clone(), channels=None, full_width_from=shape[2])
             for k, shape in zip(keep, shapes, strict=True)
         ]
+
+    def _floor(self, budget: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """Tokens ``[batch]`` a layer keeps before the ranking across layers: its share of its
+        budget for its own best tokens, on top of the prompt's window (the question, kept in every
+        layer whatever it scores: counted in the share, it used the share up at high ratios)."""
+        own = torch.floor(budget * self.layer_floor).long()
+        if not inputs.recent_tokens:
+            return own
+        return torch.minimum(own + recent_window(inputs).sum(dim=(-2, -1)), budget)
 
 
 def with_floor(scores: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
