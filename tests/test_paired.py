@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpatch.tools.eval.manifest import read_manifest, read_records
-from kvpatch.tools.eval.paired import PairedCounts, compare, mcnemar_exact
+from kvpatch.tools.eval.paired import PairedCounts, check_same_samples, compare, mcnemar_exact
 from kvpatch.tools.eval.published import main
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -75,6 +75,58 @@ def test_compare_names_the_runs_policies_when_one_is_missing():
         compare(records, "full", "full")
 
 
+def asking(record: dict, expected: str) -> dict:
+    """``record`` of the sample that asks for ``expected`` (at the same depth)."""
+    return {**record, "expected": expected, "depth": 0.5}
+
+
+def test_two_runs_are_paired_by_what_their_samples_ask():
+    """Another run numbers the same samples differently (more samples, other tasks first): they
+    are matched by their expected values, and a sample only one run asked is left out."""
+    ours = [asking(record("a", 0.5, s, x), e) for s, x, e in [(0, 1, "11"), (1, 0, "22")]]
+    theirs = [
+        asking(record("a", 0.5, s, x), e) for s, x, e in [(0, 1, "99"), (5, 1, "22"), (6, 1, "11")]
+    ]
+    counts = compare(ours, "a", "a", second_records=theirs)
+    assert counts == [PairedCounts("single", "agnostic", 0.5, 1, 0, 1, 0)]
+
+
+def test_two_runs_name_the_run_a_policy_is_missing_from():
+    ours = [asking(record("a", 0.5, 0, 1), "11")]
+    theirs = [asking(record("b", 0.5, 0, 1), "11")]
+    with pytest.raises(ValueError, match=r"no records of 'a' in the second run; its policies: b"):
+        compare(ours, "a", "a", second_records=theirs)
+
+
+def test_samples_that_cannot_be_told_apart_are_refused():
+    twins = [asking(record("a", 0.5, s, 1), "11") for s in (0, 1)]
+    with pytest.raises(ValueError, match=r"two samples of 'a'.*ask the same"):
+        compare(twins, "a", "a", second_records=twins)
+
+
+def test_runs_with_other_sample_settings_are_refused():
+    config = dict(model="demo", prompt_format="chat", context_tokens=2000, digits=6, seed=0)
+    check_same_samples(config, {**config, "samples": 40, "tasks": ["multifact"]})
+    with pytest.raises(ValueError, match=r"different samples \(context_tokens: 2000 and 8000\)"):
+        check_same_samples(config, {**config, "context_tokens": 8000})
+
+
+def test_two_published_runs_of_the_same_policy_answer_alike():
+    """The default's answers in two runs made apart (the first with more policies) pair up
+    completely: every answer the same, and as many as its manifest's accuracy gives."""
+    counts = compare(
+        read_records(RESULTS / "multifact-kvzip-40"),
+        "global-kvzip",
+        "global-kvzip",
+        second_records=read_records(RESULTS / "multifact-spans-40"),
+    )
+    summary = read_manifest(RESULTS / "multifact-kvzip-40")["summary"]
+    accuracy = next(r["accuracy"] for r in summary if r["policy"] == "global-kvzip")
+    (c,) = counts
+    assert c.first_only == c.second_only == 0 and c.samples == 120
+    assert c.both == round(accuracy * 120)
+
+
 def test_a_published_runs_paired_counts_give_its_accuracies():
     """Independent of the pairing: each policy's answered samples are its manifest's accuracy."""
     name = "multifact"
@@ -97,3 +149,18 @@ def test_the_command_prints_the_comparison(capsys):
     with pytest.raises(SystemExit):
         main(["multifact", "--results", str(RESULTS), "--compare", "full", "nothing"])
     assert "no records of 'nothing'" in capsys.readouterr().err
+
+
+def test_the_command_compares_two_runs(capsys):
+    first, second = "multifact-kvzip-40", "multifact-spans-40"
+    argv = [first, "--results", str(RESULTS), "--compare", "full", "global-kvzip/span_before=0"]
+    assert main([*argv, "--against", second]) == 0
+    printed = capsys.readouterr().out
+    assert f"first: full ({first})" in printed and f"({second})" in printed
+    assert "| multifact | agnostic | 0.75 | 120 |" in printed
+    with pytest.raises(SystemExit):
+        main([*argv, "--against", "gemma-8k-kvzip-spans"])
+    assert "the two runs asked different samples" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([first, "--results", str(RESULTS), "--against", second])
+    assert "--against needs --compare" in capsys.readouterr().err

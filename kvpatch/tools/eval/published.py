@@ -171,10 +171,11 @@ def index_page(runs: dict[str, dict], link: Callable[[str], str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvpatch.tools.eval.published NAME``: a published run's tables; with ``--plot
     PATH``, its plot drawn to PATH (the README's figure, which GitHub shows without a build);
-    with ``--compare FIRST SECOND``, two of its policies compared sample by sample."""
+    with ``--compare FIRST SECOND``, two of its policies compared sample by sample (``--against
+    RUN``: the second of another run)."""
     import argparse
 
-    from kvpatch.tools.eval.paired import compare, format_comparison
+    from kvpatch.tools.eval.paired import format_comparison
     from kvpatch.tools.eval.report import plot_accuracy
 
     p = argparse.ArgumentParser(prog="python -m kvpatch.tools.eval.published")
@@ -188,14 +189,26 @@ def main(argv: list[str] | None = None) -> int:
         help="instead, two policies of the run (as its tables name them, 'full' for the full "
         "cache) on the same samples: which each answers alone, McNemar's exact p-value",
     )
+    p.add_argument(
+        "--against",
+        metavar="RUN",
+        help="with --compare: SECOND is a policy of this other run, made with the same sample "
+        "settings (model, prompt format, context tokens, digits, seed); samples are matched by "
+        "what they ask",
+    )
     args = p.parse_args(argv)
     folder = Path(args.results) / args.name
+    if args.against is not None and args.compare is None:
+        p.error("--against needs --compare FIRST SECOND")
     if args.compare is not None:
         try:
-            counts = compare(read_records(folder), *args.compare)
+            counts = _paired_counts(folder, Path(args.results), args.compare, args.against)
         except ValueError as error:
             p.error(str(error))
-        print(format_comparison(counts, *args.compare), end="")
+        first, second = args.compare
+        if args.against is not None:
+            first, second = f"{first} ({args.name})", f"{second} ({args.against})"
+        print(format_comparison(counts, first, second), end="")
         return 0
     summary = read_manifest(folder)["summary"]
     if args.plot is None:
@@ -204,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         print("the plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
     return 0
+
+
+def _paired_counts(folder: Path, results: Path, policies: list[str], against: str | None):
+    """``--compare``'s counts: two policies of the run in ``folder``, or the second of the run
+    ``against``."""
+    from kvpatch.tools.eval.paired import check_same_samples, compare
+
+    if against is None:
+        return compare(read_records(folder), *policies)
+    other = results / against
+    check_same_samples(read_manifest(folder)["config"], read_manifest(other)["config"])
+    return compare(read_records(folder), *policies, second_records=read_records(other))
 
 
 if __name__ == "__main__":
