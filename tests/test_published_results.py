@@ -447,6 +447,9 @@ RERUNS = [
     ("grid", ["snapkv", "keydiff"], "smollm2", None),
     ("grid", ["global-kvzip"], "smollm2", ["agnostic"]),
     ("kvzip-question-window", ["global-kvzip"], "smollm2", None),
+    # their global-kvzip answers made again once the floor came on top of the question window
+    ("gemma-2k-kvzip-spans-prefill", ["global-kvzip"], "gemma3-270m", None),
+    ("kvzip-spans-both", ["global-kvzip"], "smollm2", ["prefill"]),
 ]
 
 
