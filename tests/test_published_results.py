@@ -450,6 +450,7 @@ RERUNS = [
     # their global-kvzip answers made again once the floor came on top of the question window
     ("gemma-2k-kvzip-spans-prefill", ["global-kvzip"], "gemma3-270m", None),
     ("kvzip-spans-both", ["global-kvzip"], "smollm2", ["prefill"]),
+    ("gemma-2k-layer-floor-both", ["global-kvzip/layer_floor=0.25"], "gemma3-270m", ["prefill"]),
 ]
 
 
