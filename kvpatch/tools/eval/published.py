@@ -19,9 +19,13 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpatch.tools.eval.manifest import MANIFEST, RECORDS, read_manifest, read_records
 from kvpatch.tools.eval.report import format_run
+
+if TYPE_CHECKING:
+    from kvpatch.tools.eval.paired import PairedCounts
 
 #: a marker in a page, on a line of its own (one quoted in a sentence stays as written):
 #: ``<!-- results: NAME -->`` or ``<!-- results-plot: NAME -->``
@@ -219,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _paired_counts(folder: Path, results: Path, policies: list[str], against: str | None):
+def _paired_counts(
+    folder: Path, results: Path, policies: list[str], against: str | None
+) -> list[PairedCounts]:
     """``--compare``'s counts: two policies of the run in ``folder``, or the second of the run
     ``against``."""
     from kvpatch.tools.eval.paired import check_same_samples, compare
