@@ -95,11 +95,51 @@ def test_a_whole_floor_is_uniform_layer_budgets(two_scales):
     assert kept_per_layer(policy, inputs) == [UNIFORM, UNIFORM]
 
 
+def per_head_budget(ratio: float) -> int:
+    return TOKENS - int(TOKENS * ratio)
+
+
+@pytest.mark.parametrize("ratio", [0.5, RATIO])
+def test_up_to_its_ratio_the_floor_cap_changes_nothing(two_scales, ratio):
+    inputs, _ = two_scales
+    scorer = SnapKV(ratio=ratio, n_sink=0)
+    capped = GlobalBudgets(scorer, floor_max_ratio=RATIO).plan_layers(inputs)
+    shrinking = GlobalBudgets(scorer, floor_max_ratio=1.0).plan_layers(inputs)
+    assert all(torch.equal(a.keep, b.keep) for a, b in zip(capped, shrinking, strict=True))
+
+
+def test_past_its_ratio_the_floor_stops_shrinking(two_scales):
+    """At r = 0.9 the quiet layer keeps a quarter of what it would keep at r = 0.75 (its own
+    best tokens), not a quarter of its budget at 0.9; the total stays uniform budgets' bytes."""
+    inputs, quiet = two_scales
+    scorer = SnapKV(ratio=0.9, n_sink=0)
+    budget = HEADS * per_head_budget(0.9)
+    floor = HEADS * per_head_budget(RATIO) // 4
+    assert kept_per_layer(GlobalBudgets(scorer, floor_max_ratio=1.0), inputs) == [
+        2 * budget - budget // 4,
+        budget // 4,
+    ]
+    plans = GlobalBudgets(scorer).plan_layers(inputs)  # the default cap: 0.75
+    assert [int(p.keep.sum()) for p in plans] == [2 * budget - floor, floor]
+    best = quiet.flatten().topk(floor).indices
+    assert plans[1].keep.flatten()[best].all()
+
+
+def test_a_capped_floor_never_takes_more_than_the_layers_budget(two_scales):
+    inputs, _ = two_scales
+    policy = GlobalBudgets(SnapKV(ratio=0.9, n_sink=0), layer_floor=1.0)
+    budget = HEADS * per_head_budget(0.9)
+    assert kept_per_layer(policy, inputs) == [budget, budget]
+
+
 def test_the_floor_is_a_setting_of_the_policy_string():
     policy = parse_policy("global-snapkv:0.75/layer_floor=0.25")
     assert isinstance(policy, GlobalBudgets) and policy.layer_floor == 0.25
     with pytest.raises(ValueError, match=r"layer_floor in \[0, 1\]"):
         parse_policy("global-snapkv:0.75/layer_floor=2")
+    assert parse_policy("global-snapkv:0.9/floor_max_ratio=1").floor_max_ratio == 1.0
+    with pytest.raises(ValueError, match=r"floor_max_ratio in \[0, 1\]"):
+        parse_policy("global-snapkv:0.9/floor_max_ratio=-0.5")
 
 
 def test_stats_give_each_layers_kept_share():

@@ -60,22 +60,40 @@ def _is_kvzip(term: str) -> bool:
     return term.partition(":")[0].endswith(("kvzip", "kvzip-plus"))
 
 
+def _is_global(term: str) -> bool:
+    return term.startswith("global-")
+
+
+def _always(settings: set[str], run: str) -> bool:
+    return True
+
+
+def _floor_past_the_cap(settings: set[str], run: str) -> bool:
+    """Whether capping the floor changes a global term of ``run``: the term keeps a floor (its
+    ``settings``, the defaults of its day included) and the run a ratio past the cap's 0.75."""
+    floors = [float(s.partition("=")[2]) for s in settings if s.startswith("layer_floor=")]
+    return floors != [0.0] and max(manifest(run)["config"]["ratios"]) > 0.75
+
+
 @dataclass(frozen=True)
 class DefaultChange:
-    """A default that changed after runs were published: a term it ``applies`` to, in a run
-    started before ``since``, ran with ``field=then``, which today's command must spell."""
+    """A default that changed after runs were published: a term it ``applies`` to (by name), in
+    a run started before ``since``, ran with ``field=then``, which today's command must spell
+    where it ``mattered`` (given the term's settings, the defaults of its day included, and the
+    run)."""
 
     applies: Callable[[str], bool]
     field: str
     then: str
     today: object
     since: str
+    mattered: Callable[[set[str], str], bool] = _always
 
 
 DEFAULT_CHANGES = (
     # global budgets keep a floor in every layer; before, they ranked every token together
     DefaultChange(
-        lambda term: term.startswith("global-"),
+        _is_global,
         "layer_floor",
         "0",
         GlobalBudgets.__dataclass_fields__["layer_floor"].default,
@@ -88,6 +106,15 @@ DEFAULT_CHANGES = (
         "0",
         KVzip.__dataclass_fields__["span_before"].default,
         "2026-12-07T05:55:00+00:00",
+    ),
+    # past r = 0.75 the floor stays what it is there; before, it shrank with the budget
+    DefaultChange(
+        _is_global,
+        "floor_max_ratio",
+        "1",
+        GlobalBudgets.__dataclass_fields__["floor_max_ratio"].default,
+        "2026-12-07T15:00:00+00:00",
+        _floor_past_the_cap,
     ),
 )
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
@@ -137,32 +164,33 @@ COMMANDS = [
 ]
 
 
-def former_defaults(run: str, term: str) -> set[str]:
-    """The settings a policy term of ``run`` had by default then, which its name does not say and
-    today's command must."""
+def former_defaults(run: str, name: str, given: set[str]) -> set[str]:
+    """The settings a policy term of ``run`` (its ``name`` and the settings it is ``given``)
+    had by default then and that mattered, which its name does not say and today's command must."""
     made = manifest(run)["provenance"][0]["date"]
-    settings = set()
+    settings = set(given)
     # measured while the chunk's own softmax was KVzip's default (docs/performance.md says so)
-    if run == "kvzip-plus" and "kvzip" in term:
+    if run == "kvzip-plus" and "kvzip" in name:
         settings.add("normalise=chunk")
-    for change in DEFAULT_CHANGES:
-        if change.applies(term) and made < change.since:
-            settings.add(f"{change.field}={change.then}")
-    return settings
+    for change in DEFAULT_CHANGES:  # in the order they came: each sees the defaults before it
+        fields = {s.partition("=")[0] for s in settings}
+        if change.applies(name) and made < change.since and change.field not in fields:
+            then = f"{change.field}={change.then}"
+            if change.mattered(settings | {then}, run):
+                settings.add(then)
+    return settings - given
 
 
 def spelled(policy: str, run: str | None = None) -> str:
     """``policy`` as today's names spell it: each term's settings in one order, without those
     that are today's defaults, and, given the ``run`` it was stored in, with those that were its
-    defaults then (a setting the name gives is kept)."""
+    defaults then and mattered (a setting the name gives is kept)."""
     terms = []
     for term in policy.split("+"):
         name, _, given = term.partition("/")
         settings = {s.strip() for s in given.split(",") if s.strip()}
-        fields = {s.partition("=")[0] for s in settings}
         if run is not None:
-            former = former_defaults(run, name)
-            settings |= {s for s in former if s.partition("=")[0] not in fields}
+            settings |= former_defaults(run, name, settings)
         for change in DEFAULT_CHANGES:
             if change.applies(name):
                 settings.discard(f"{change.field}={change.today}")

@@ -41,6 +41,12 @@ class GlobalBudgets(WrapsScorer, Policy):
     at r = 0.75: 0.05 to 0.20 at 2,000 tokens, 0.05 to 0.25 at 8,000) and costs at most three
     answers of 20 in any cell measured; half a budget cost Gemma 3 three answers at r = 0.5.
 
+    Beyond ``floor_max_ratio`` the floor stops shrinking with the budget: each layer keeps
+    ``layer_floor`` of the budget it would have at that ratio (with the defaults, a sixteenth of
+    its tokens), never more than its budget. A quarter of a budget of 10% left Gemma 3's two
+    deeper full-attention layers 2.5% of their tokens at r = 0.9 and ~8,000 tokens, and
+    ``global-kvzip`` lost needles uniform ``kvzip`` kept (docs/results.md).
+
     Parameters
     ----------
     scorer : TokenScorer
@@ -50,10 +56,14 @@ class GlobalBudgets(WrapsScorer, Policy):
         prompt's window) before the rest of the budget is ranked across layers: 0 ranks every
         token together (KVzip's global budgets), 1 gives every layer its uniform budget, shared
         among its heads by score.
+    floor_max_ratio : float, default 0.75
+        The ratio whose budget the floor is a share of at higher ratios (see above); 1 lets the
+        floor shrink with the budget at every ratio.
     """
 
     scorer: TokenScorer
     layer_floor: float = 0.25
+    floor_max_ratio: float = 0.75
 
     def __post_init__(self) -> None:
         self._check_scorer()
@@ -61,6 +71,11 @@ class GlobalBudgets(WrapsScorer, Policy):
             raise ValueError(
                 f"GlobalBudgets needs layer_floor in [0, 1] (a share of each layer's uniform "
                 f"budget), got {self.layer_floor!r}"
+            )
+        if not 0.0 <= self.floor_max_ratio <= 1.0:
+            raise ValueError(
+                f"GlobalBudgets needs floor_max_ratio in [0, 1] (the ratio whose budget the floor "
+                f"is a share of at higher ratios), got {self.floor_max_ratio!r}"
             )
 
     @property
@@ -80,7 +95,9 @@ class GlobalBudgets(WrapsScorer, Policy):
         scores = self._rule_scores(inputs, must_keep)
         budgets = [row_budget(s, x, self.ratio) for s, x in zip(scores, inputs, strict=True)]
         if self.layer_floor > 0:
-            floors = [self._floor(b, x) for b, x in zip(budgets, inputs, strict=True)]
+            floors = [
+                self._floor(s, b, x) for s, b, x in zip(scores, budgets, inputs, strict=True)
+            ]
             scores = [with_floor(s, f) for s, f in zip(scores, floors, strict=True)]
         budget = sum(budgets)  # [batch]
         shapes = [s.shape for s in scores]
@@ -92,11 +109,17 @@ class GlobalBudgets(WrapsScorer, Policy):
             for k, shape in zip(keep, shapes, strict=True)
         ]
 
-    def _floor(self, budget: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+    def _floor(
+        self, scores: torch.Tensor, budget: torch.Tensor, inputs: LayerInputs
+    ) -> torch.Tensor:
         """Tokens ``[batch]`` a layer keeps before the ranking across layers: its share of its
-        budget for its own best tokens, on top of the prompt's window (the question, kept in every
-        layer whatever it scores: counted in the share, it used the share up at high ratios)."""
-        own = torch.floor(budget * self.layer_floor).long()
+        budget (of the budget at ``floor_max_ratio`` past that ratio, within its own) for its own
+        best tokens, on top of the prompt's window (the question, kept in every layer whatever it
+        scores: counted in the share, it used the share up at high ratios)."""
+        base = budget
+        if self.ratio > self.floor_max_ratio:
+            base = row_budget(scores, inputs, self.floor_max_ratio)
+        own = torch.minimum(torch.floor(base * self.layer_floor).long(), budget)
         if not inputs.recent_tokens:
             return own
         return torch.minimum(own + recent_window(inputs).sum(dim=(-2, -1)), budget)
