@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -467,18 +468,32 @@ def test_the_readmes_tables_quote_the_manifests(header, runs, columns):
 #: tests give it a random map), and the placements rerun (None: the run's). Only what kvpatch
 #: still does alike: KVzip with the question in the prompt keeps its prompt_window since the
 #: runs before kvzip-question-window, so theirs are rerun question-agnostically.
+class Rerun(NamedTuple):
+    """Policies of a published run rerun on its first context, at one ratio."""
+
+    name: str
+    policies: list[str]
+    model: str
+    modes: list[str] | None = None
+    ratio: float = 0.75
+
+
 RERUNS = [
-    ("gemma-2k", ["span-snapkv", "keydiff", "tova"], "gemma3-270m", None),
-    ("gemma-2k-layer-floor", ["kvzip"], "gemma3-270m", None),
-    ("gemma-2k-kvzip-question-window", ["kvzip"], "gemma3-270m", None),
-    ("gemma-multikey-multivalue", ["keydiff/n_sink=0", "tova"], "gemma3-270m", None),
-    ("grid", ["snapkv", "keydiff"], "smollm2", None),
-    ("grid", ["global-kvzip"], "smollm2", ["agnostic"]),
-    ("kvzip-question-window", ["global-kvzip"], "smollm2", None),
+    Rerun("gemma-2k", ["span-snapkv", "keydiff", "tova"], "gemma3-270m"),
+    Rerun("gemma-2k-layer-floor", ["kvzip"], "gemma3-270m"),
+    Rerun("gemma-2k-kvzip-question-window", ["kvzip"], "gemma3-270m"),
+    Rerun("gemma-multikey-multivalue", ["keydiff/n_sink=0", "tova"], "gemma3-270m"),
+    Rerun("grid", ["snapkv", "keydiff"], "smollm2"),
+    Rerun("grid", ["global-kvzip"], "smollm2", ["agnostic"]),
+    Rerun("kvzip-question-window", ["global-kvzip"], "smollm2"),
     # their global-kvzip answers made again once the floor came on top of the question window
-    ("gemma-2k-kvzip-spans-prefill", ["global-kvzip"], "gemma3-270m", None),
-    ("kvzip-spans-both", ["global-kvzip"], "smollm2", ["prefill"]),
-    ("gemma-2k-layer-floor-both", ["global-kvzip/layer_floor=0.25"], "gemma3-270m", ["prefill"]),
+    Rerun("gemma-2k-kvzip-spans-prefill", ["global-kvzip"], "gemma3-270m"),
+    Rerun("kvzip-spans-both", ["global-kvzip"], "smollm2", ["prefill"]),
+    Rerun(
+        "gemma-2k-layer-floor-both", ["global-kvzip/layer_floor=0.25"], "gemma3-270m", ["prefill"]
+    ),
+    # past r = 0.75 the capped floor: the first needle is kept where the shrinking floor lost it
+    Rerun("floor-cap", ["global-kvzip"], "smollm2", ["agnostic"], 0.9),
 ]
 
 
@@ -498,9 +513,11 @@ def answer_key(record: dict, run: str | None = None) -> tuple:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, policies, model, modes", RERUNS, ids=[f"{r[0]}:{'+'.join(r[1])}" for r in RERUNS]
+    "name, policies, model, modes, ratio",
+    RERUNS,
+    ids=[f"{r.name}:{'+'.join(r.policies)}:{r.ratio}" for r in RERUNS],
 )
-def test_a_published_result_reproduces(name, policies, model, modes, tmp_path):
+def test_a_published_result_reproduces(name, policies, model, modes, ratio, tmp_path):
     """Its command, on the first context of each task and one ratio, gives the stored answers
     word for word (the same seed and samples; a run on another CPU may round differently)."""
     from kvpatch.tools import demo
@@ -511,7 +528,7 @@ def test_a_published_result_reproduces(name, policies, model, modes, tmp_path):
     stored = manifest(name)["config"]
     made_with = {k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__}
     today = [spelled(p, name) for p in policies]  # what the stored names meant when measured
-    rerun_with = dict(policies=today, ratios=[0.75], samples=1, output=str(tmp_path))
+    rerun_with = dict(policies=today, ratios=[ratio], samples=1, output=str(tmp_path))
     if modes is not None:
         rerun_with["modes"] = modes
     config = EvalConfig(**{**made_with, **rerun_with, "plot": False, "progress": False})

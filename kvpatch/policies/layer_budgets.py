@@ -95,9 +95,7 @@ class GlobalBudgets(WrapsScorer, Policy):
         scores = self._rule_scores(inputs, must_keep)
         budgets = [row_budget(s, x, self.ratio) for s, x in zip(scores, inputs, strict=True)]
         if self.layer_floor > 0:
-            floors = [
-                self._floor(s, b, x) for s, b, x in zip(scores, budgets, inputs, strict=True)
-            ]
+            floors = [self._floor(s, b, x) for s, b, x in zip(scores, budgets, inputs, strict=True)]
             scores = [with_floor(s, f) for s, f in zip(scores, floors, strict=True)]
         budget = sum(budgets)  # [batch]
         shapes = [s.shape for s in scores]
