@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvpatch.policies import GlobalBudgets, LayerInputs, SnapKV, parse_policy
+from kvpatch.tools.eval.config import with_ratio
 from kvpatch.tools.testing import seeded
 
 TOKENS, HEADS, RATIO = 100, 2, 0.75
@@ -119,7 +120,7 @@ def test_past_its_ratio_the_floor_stops_shrinking(two_scales):
         2 * budget - budget // 4,
         budget // 4,
     ]
-    plans = GlobalBudgets(scorer).plan_layers(inputs)  # the default cap: 0.75
+    plans = GlobalBudgets(scorer, floor_max_ratio=RATIO).plan_layers(inputs)
     assert [int(p.keep.sum()) for p in plans] == [2 * budget - floor, floor]
     best = quiet.flatten().topk(floor).indices
     assert plans[1].keep.flatten()[best].all()
@@ -127,9 +128,28 @@ def test_past_its_ratio_the_floor_stops_shrinking(two_scales):
 
 def test_a_capped_floor_never_takes_more_than_the_layers_budget(two_scales):
     inputs, _ = two_scales
-    policy = GlobalBudgets(SnapKV(ratio=0.9, n_sink=0), layer_floor=1.0)
+    policy = GlobalBudgets(SnapKV(ratio=0.9, n_sink=0), layer_floor=1.0, floor_max_ratio=RATIO)
     budget = HEADS * per_head_budget(0.9)
     assert kept_per_layer(policy, inputs) == [budget, budget]
+
+
+@pytest.mark.parametrize(
+    "term, cap",
+    [
+        ("global-kvzip", 0.75),
+        ("global-kvzip-plus", 0.75),
+        ("global-span-kvzip", 0.75),
+        ("global-kvzap", 1.0),
+        ("global-span-kvzap", 1.0),
+        ("global-snapkv", 1.0),
+        ("global-kvzap/floor_max_ratio=0.75", 0.75),
+        ("global-kvzip/floor_max_ratio=1", 1.0),
+    ],
+)
+def test_the_floor_cap_is_the_scorers_unless_given(term, cap):
+    """KVzip's layers score on scales far apart and ask for the floor kept past r = 0.75; the
+    other scorers let it shrink, and a setting overrides either."""
+    assert parse_policy(with_ratio(term, 0.9)).floor_max_ratio == cap
 
 
 def test_the_floor_is_a_setting_of_the_policy_string():

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import pytest
 
-from kvpatch.policies import GlobalBudgets, KVzip
+from kvpatch.policies import GlobalBudgets, KVzip, TokenScorer
 from kvpatch.tools.eval.cli import parser
 from kvpatch.tools.eval.config import EvalConfig
 from kvpatch.tools.eval.published import MARKER, expand_markers, published_runs
@@ -79,9 +79,9 @@ def _floor_past_the_cap(settings: set[str], run: str) -> bool:
 @dataclass(frozen=True)
 class DefaultChange:
     """A default that changed after runs were published: a term it ``applies`` to (by name), in
-    a run started before ``since``, ran with ``field=then``, which today's command must spell
-    where it ``mattered`` (given the term's settings, the defaults of its day included, and the
-    run)."""
+    a run started before ``since`` (and from ``then_from``), ran with ``field=then``, which
+    today's command must spell where it ``mattered`` (given the term's settings, the defaults of
+    its day included, and the run)."""
 
     applies: Callable[[str], bool]
     field: str
@@ -89,6 +89,8 @@ class DefaultChange:
     today: object
     since: str
     mattered: Callable[[set[str], str], bool] = _always
+    #: when ``then`` became the default (runs before it ran with an older one)
+    then_from: str = ""
 
 
 DEFAULT_CHANGES = (
@@ -108,14 +110,24 @@ DEFAULT_CHANGES = (
         KVzip.__dataclass_fields__["span_before"].default,
         "2026-12-07T05:55:00+00:00",
     ),
-    # past r = 0.75 the floor stays what it is there; before, it shrank with the budget
+    # past r = 0.75 KVzip's floor stays what it is there; before, it shrank with the budget
     DefaultChange(
-        _is_global,
+        lambda term: _is_global(term) and _is_kvzip(term),
         "floor_max_ratio",
         "1",
-        GlobalBudgets.__dataclass_fields__["floor_max_ratio"].default,
+        KVzip.layer_floor_max_ratio,
         "2026-12-07T15:00:00+00:00",
         _floor_past_the_cap,
+    ),
+    # and for a while every scorer's did, which cost KVzap answers at r = 0.9
+    DefaultChange(
+        lambda term: _is_global(term) and not _is_kvzip(term),
+        "floor_max_ratio",
+        "0.75",
+        f"{TokenScorer.layer_floor_max_ratio:g}",
+        "2026-12-07T16:35:00+00:00",
+        _floor_past_the_cap,
+        then_from="2026-12-07T15:00:00+00:00",
     ),
 )
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
@@ -175,7 +187,8 @@ def former_defaults(run: str, name: str, given: set[str]) -> set[str]:
         settings.add("normalise=chunk")
     for change in DEFAULT_CHANGES:  # in the order they came: each sees the defaults before it
         fields = {s.partition("=")[0] for s in settings}
-        if change.applies(name) and made < change.since and change.field not in fields:
+        made_then = change.then_from <= made < change.since
+        if change.applies(name) and made_then and change.field not in fields:
             then = f"{change.field}={change.then}"
             if change.mattered(settings | {then}, run):
                 settings.add(then)
@@ -388,7 +401,7 @@ README_TABLES = [
     ),
     (
         "| policy | r = 0.5 | 0.75 | 0.9 | KV MB at 0.75 |",
-        ("grid", "kvzap", "layer-floor", "kvzap-layer-floor", "kvzip-spans"),
+        ("grid", "kvzap", "layer-floor", "kvzap-layer-floor", "kvzip-spans", "floor-cap"),
         [
             *([("accuracy", ("agnostic",), r)] for r in R),
             [("kv_mb", ("prefill", "agnostic"), 0.75)],
@@ -402,6 +415,7 @@ README_TABLES = [
             "gemma-2k-layer-floor-both",
             "gemma-2k-kvzip-spans",
             "gemma-2k-kvzip-spans-prefill",
+            "gemma-2k-floor-cap",
         ),
         [[("accuracy", ("prefill",), r) for r in R], [("accuracy", ("agnostic",), r) for r in R]],
     ),
@@ -492,8 +506,9 @@ RERUNS = [
     Rerun(
         "gemma-2k-layer-floor-both", ["global-kvzip/layer_floor=0.25"], "gemma3-270m", ["prefill"]
     ),
-    # past r = 0.75 the capped floor: the first needle is kept where the shrinking floor lost it
+    # past r = 0.75 KVzip's floor kept: the first needle is held where the shrinking floor lost it
     Rerun("floor-cap", ["global-kvzip"], "smollm2", ["agnostic"], 0.9),
+    Rerun("kvzip-spans-both", ["global-kvzip"], "smollm2", ["agnostic"], 0.9),
 ]
 
 

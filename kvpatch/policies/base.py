@@ -143,6 +143,9 @@ class TokenScorer(Policy):
     name: str = ""
     #: leading real tokens always kept (attention sinks); 0 keeps none
     n_sink: int = DEFAULT_SINKS
+    #: past this ratio, budgets shared across layers (:class:`~kvpatch.policies.GlobalBudgets`)
+    #: stop shrinking each layer's floor with its budget; 1: the floor shrinks at every ratio
+    layer_floor_max_ratio: ClassVar[float] = 1.0
 
     @property
     def protected_tokens(self) -> int:

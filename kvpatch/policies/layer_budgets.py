@@ -42,10 +42,12 @@ class GlobalBudgets(WrapsScorer, Policy):
     answers of 20 in any cell measured; half a budget cost Gemma 3 three answers at r = 0.5.
 
     Beyond ``floor_max_ratio`` the floor stops shrinking with the budget: each layer keeps
-    ``layer_floor`` of the budget it would have at that ratio (with the defaults, a sixteenth of
-    its tokens), never more than its budget. A quarter of a budget of 10% left Gemma 3's two
-    deeper full-attention layers 2.5% of their tokens at r = 0.9 and ~8,000 tokens, and
-    ``global-kvzip`` lost needles uniform ``kvzip`` kept (docs/results.md).
+    ``layer_floor`` of the budget it would have at that ratio, never more than its budget. KVzip
+    asks for it (:attr:`~kvpatch.policies.TokenScorer.layer_floor_max_ratio`): a quarter of a
+    budget of 10% left Gemma 3's two deeper full-attention layers 2.5% of their tokens at
+    r = 0.9, and ``global-kvzip`` lost needles uniform ``kvzip`` kept; with the floor kept at
+    r = 0.75's, a sixteenth of their tokens, it answers as many or more on both models, while
+    ``global-kvzap`` answers fewer (docs/results.md, "The floor past r = 0.75").
 
     Parameters
     ----------
@@ -56,14 +58,15 @@ class GlobalBudgets(WrapsScorer, Policy):
         prompt's window) before the rest of the budget is ranked across layers: 0 ranks every
         token together (KVzip's global budgets), 1 gives every layer its uniform budget, shared
         among its heads by score.
-    floor_max_ratio : float, default 0.75
+    floor_max_ratio : float or None, default None
         The ratio whose budget the floor is a share of at higher ratios (see above); 1 lets the
-        floor shrink with the budget at every ratio.
+        floor shrink with the budget at every ratio. None: the scorer's
+        ``layer_floor_max_ratio`` (0.75 for KVzip and KVzip+, 1 for the others).
     """
 
     scorer: TokenScorer
     layer_floor: float = 0.25
-    floor_max_ratio: float = 0.75
+    floor_max_ratio: float | None = None
 
     def __post_init__(self) -> None:
         self._check_scorer()
@@ -72,6 +75,8 @@ class GlobalBudgets(WrapsScorer, Policy):
                 f"GlobalBudgets needs layer_floor in [0, 1] (a share of each layer's uniform "
                 f"budget), got {self.layer_floor!r}"
             )
+        if self.floor_max_ratio is None:
+            self.floor_max_ratio = self.scorer.layer_floor_max_ratio
         if not 0.0 <= self.floor_max_ratio <= 1.0:
             raise ValueError(
                 f"GlobalBudgets needs floor_max_ratio in [0, 1] (the ratio whose budget the floor "

@@ -48,6 +48,10 @@ class WrapsScorer:
         return self.scorer.keeps_everything  # the scorer's ratio is the wrapper's
 
     @property
+    def layer_floor_max_ratio(self) -> float:
+        return self.scorer.layer_floor_max_ratio
+
+    @property
     def deferred_scorer(self) -> TokenScorer:
         return self.scorer  # the scores that budgets across layers rank
 
