@@ -478,10 +478,6 @@ def test_the_readmes_tables_quote_the_manifests(header, runs, columns):
     assert checked >= 2 * len(columns)
 
 
-#: a published result, the policies rerun from it, on the model it was made with (no kvzap: the
-#: tests give it a random map), and the placements rerun (None: the run's). Only what kvpatch
-#: still does alike: KVzip with the question in the prompt keeps its prompt_window since the
-#: runs before kvzip-question-window, so theirs are rerun question-agnostically.
 class Rerun(NamedTuple):
     """Policies of a published run rerun on its first context, at one ratio."""
 
@@ -492,6 +488,10 @@ class Rerun(NamedTuple):
     ratio: float = 0.75
 
 
+#: a published result, the policies rerun from it, on the model it was made with (no kvzap: the
+#: tests give it a random map), and the placements rerun (None: the run's). Only what kvpatch
+#: still does alike: KVzip with the question in the prompt keeps its prompt_window since the
+#: runs before kvzip-question-window, so theirs are rerun question-agnostically.
 RERUNS = [
     Rerun("gemma-2k", ["span-snapkv", "keydiff", "tova"], "gemma3-270m"),
     Rerun("gemma-2k-layer-floor", ["kvzip"], "gemma3-270m"),

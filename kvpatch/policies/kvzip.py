@@ -100,8 +100,8 @@ class KVzip(TokenScorer):
     span_after: int = 0
     name = "kvzip"
     #: its layers score on scales orders of magnitude apart (Gemma 3 270M's three full-attention
-    #: layers: medians ~0.49, 0.14, 0.002), so that a global ranking leaves the quieter ones
-    #: their floor alone; at r = 0.9 a floor shrunk with the budget lost needles
+    #: layers: medians ~0.49, 0.14, 0.002): a global ranking leaves the quieter ones little but
+    #: their floor, which at r = 0.9 lost needles while it shrank with the budget
     layer_floor_max_ratio = 0.75
     #: weight each score by the token's output norm over the query's hidden-state norm (KVzip+)
     weighted = False
