@@ -71,9 +71,10 @@ def _always(settings: set[str], run: str) -> bool:
 
 def _floor_past_the_cap(settings: set[str], run: str) -> bool:
     """Whether capping the floor changes a global term of ``run``: the term keeps a floor (its
-    ``settings``, the defaults of its day included) and the run a ratio past the cap's 0.75."""
+    ``settings``, the defaults of its day included) and the run a ratio past the cap (KVzip's,
+    the only one measured)."""
     floors = [float(s.partition("=")[2]) for s in settings if s.startswith("layer_floor=")]
-    return floors != [0.0] and max(manifest(run)["config"]["ratios"]) > 0.75
+    return floors != [0.0] and max(manifest(run)["config"]["ratios"]) > KVzip.layer_floor_max_ratio
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class GlobalBudgets(WrapsScorer, Policy):
                 f"GlobalBudgets needs layer_floor in [0, 1] (a share of each layer's uniform "
                 f"budget), got {self.layer_floor!r}"
             )
+        # resolved once, here: a policy string's setting is parsed as the type of the value held
         if self.floor_max_ratio is None:
             self.floor_max_ratio = self.scorer.layer_floor_max_ratio
         if not 0.0 <= self.floor_max_ratio <= 1.0:
