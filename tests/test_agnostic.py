@@ -19,6 +19,7 @@ from kvpatch.attention import reconstruction as reconstruction_attention
 from kvpatch.feed.reconstruction import Prompts, _turn_end, reconstruct
 from kvpatch.policies import ExpectedAttention, KeyDiff, KVzip, KVzipPlus, LayerInputs
 from kvpatch.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
+from kvpatch.policies.needs import reconstruction_of
 from kvpatch.tools.testing import byte_tokenizer, seeded
 
 STEPS = 8
@@ -279,8 +280,23 @@ def test_generate_reconstructs_the_prompt(policy):
     assert torch.equal(logits[1:].argmax(-1).T, out[:, ids.shape[1] :])
 
 
+def prefilled_by_generate(policy: str, ids: torch.Tensor) -> int:
+    """The prompt tokens ``generate`` compresses in its prefill: a reconstruction's prefill
+    leaves the last one to the first decode step (as a stock prefill of ``generate`` would not)."""
+    return ids.shape[1] - (reconstruction_of(parse_policy(policy)) is not None)
+
+
 @pytest.mark.parametrize(
-    "policy", ["kvzip:0.75", "global-kvzip:0.75", "ada-kvzip:0.75", "think:0.5+kvzip-plus:0.75"]
+    "policy",
+    [
+        "kvzip:0.75",
+        "global-kvzip:0.75",
+        "ada-kvzip:0.75",
+        "think:0.5+kvzip-plus:0.75",
+        "kvzap:0.75",
+        "global-kvzap:0.75",
+        "global-span-kvzap:0.75",
+    ],
 )
 def test_generate_keeps_the_question_at_the_end_of_its_prompt(policy):
     """With the question in the prompt, every layer and head keeps the last ``prompt_window``
@@ -293,9 +309,10 @@ def test_generate_keeps_the_question_at_the_end_of_its_prompt(policy):
     name = compat.cache_argument(model)
     with kvpatch.enabled(model, policy, tokenizer=byte_tokenizer(chat_template=False)):
         cache = CompressedDynamicCache(config=model.config)
-        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{name: cache})
-        context = kvpatch.prefill(model, ids[:, :-1])  # generate prefills all but the last token
-    prefilled = ids.shape[1] - 1
+        # a second token: budgets shared across layers compress when the next step begins
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, **{name: cache})
+        prefilled = prefilled_by_generate(policy, ids)
+        context = kvpatch.prefill(model, ids[:, :prefilled])
     asked, alone = evictions_of(cache), evictions_of(context.cache)
     assert asked.keys() == alone.keys() and asked
     for index in asked:
@@ -307,17 +324,19 @@ def test_generate_keeps_the_question_at_the_end_of_its_prompt(policy):
     assert kept(asked) == kept(alone)  # the window is kept within the budget
 
 
-def test_a_prompt_window_of_zero_keeps_what_a_context_keeps():
+@pytest.mark.parametrize("policy", ["kvzip:0.75", "global-kvzap:0.75"])
+def test_a_prompt_window_of_zero_keeps_what_a_context_keeps(policy):
     model = make_model("llama")
     ids = prompt(300)
     name = compat.cache_argument(model)
     with kvpatch.enabled(
-        model, "kvzip:0.75/prompt_window=0", tokenizer=byte_tokenizer(chat_template=False)
+        model, f"{policy}/prompt_window=0", tokenizer=byte_tokenizer(chat_template=False)
     ):
         cache = CompressedDynamicCache(config=model.config)
-        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{name: cache})
-        context = kvpatch.prefill(model, ids[:, :-1])
-    prefilled = ids.shape[1] - 1
+        # a second token: budgets shared across layers compress when the next step begins
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, **{name: cache})
+        prefilled = prefilled_by_generate(policy, ids)
+        context = kvpatch.prefill(model, ids[:, :prefilled])
     asked, alone = evictions_of(cache), evictions_of(context.cache)
     assert asked.keys() == alone.keys() and asked
     for index in asked:

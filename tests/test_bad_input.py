@@ -378,6 +378,13 @@ CASES = [
     ),
     Case(
         "policy object",
+        "a negative prompt window",
+        lambda: kvpatch.KVzap(prompt_window=-1),
+        ValueError,
+        "integer prompt_window >= 0",
+    ),
+    Case(
+        "policy object",
         "a channel policy without a window",
         lambda: kvpatch.ThinKValues(window=0),
         ValueError,

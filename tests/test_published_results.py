@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import pytest
 
-from kvpatch.policies import GlobalBudgets, KVzip, TokenScorer
+from kvpatch.policies import GlobalBudgets, KVzap, KVzip, TokenScorer
 from kvpatch.tools.eval.cli import parser
 from kvpatch.tools.eval.config import EvalConfig
 from kvpatch.tools.eval.published import MARKER, expand_markers, published_runs
@@ -61,12 +61,22 @@ def _is_kvzip(term: str) -> bool:
     return term.partition(":")[0].endswith(("kvzip", "kvzip-plus"))
 
 
+def _is_kvzap(term: str) -> bool:
+    """Whether a term's scorer is KVzap (under any budget prefix or span)."""
+    return term.partition(":")[0].endswith("kvzap")
+
+
 def _is_global(term: str) -> bool:
     return term.startswith("global-")
 
 
 def _always(settings: set[str], run: str) -> bool:
     return True
+
+
+def _question_in_the_prompt(settings: set[str], run: str) -> bool:
+    """Whether ``run`` asked with the question in the prompt, where a prompt window is kept."""
+    return "prefill" in manifest(run)["config"]["modes"]
 
 
 def _floor_past_the_cap(settings: set[str], run: str) -> bool:
@@ -129,6 +139,15 @@ DEFAULT_CHANGES = (
         "2026-12-07T16:35:00+00:00",
         _floor_past_the_cap,
         then_from="2026-12-07T15:00:00+00:00",
+    ),
+    # KVzap keeps the last tokens of a prompt generate continues from; before, it scored them
+    DefaultChange(
+        _is_kvzap,
+        "prompt_window",
+        "0",
+        KVzap.__dataclass_fields__["prompt_window"].default,
+        "2026-12-07T18:25:00+00:00",
+        _question_in_the_prompt,
     ),
 )
 VERSIONS = ("python", "kvpatch", "torch", "transformers")
@@ -417,6 +436,7 @@ README_TABLES = [
             "gemma-2k-kvzip-spans",
             "gemma-2k-kvzip-spans-prefill",
             "gemma-2k-floor-cap",
+            "gemma-2k-kvzap-prompt-window",
         ),
         [[("accuracy", ("prefill",), r) for r in R], [("accuracy", ("agnostic",), r) for r in R]],
     ),

@@ -22,6 +22,9 @@ SCORE_CHUNK = 4096
 
 #: leading real tokens every token policy keeps unless told otherwise (the attention sinks)
 DEFAULT_SINKS = 4
+#: the last tokens of a prompt that ``generate`` continues from (its question and the chat
+#: template's assistant header) that a scorer blind to the question keeps in every head
+DEFAULT_PROMPT_WINDOW = 64
 
 
 def check_sinks(owner: str, n_sink: int) -> None:
@@ -30,6 +33,15 @@ def check_sinks(owner: str, n_sink: int) -> None:
         raise ValueError(
             f"{owner} needs an integer n_sink >= 0 (leading tokens always kept; 0 keeps none), "
             f"got {n_sink!r}"
+        )
+
+
+def check_prompt_window(owner: str, prompt_window: int) -> None:
+    """Reject a prompt window that is not a non-negative integer."""
+    if isinstance(prompt_window, bool) or not isinstance(prompt_window, int) or prompt_window < 0:
+        raise ValueError(
+            f"{owner} needs an integer prompt_window >= 0 (last prompt tokens always kept; 0 "
+            f"keeps none), got {prompt_window!r}"
         )
 
 

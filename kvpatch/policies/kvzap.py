@@ -18,7 +18,14 @@ import torch
 
 from kvpatch.policies import fitted_maps
 from kvpatch.policies.base import TokenScorer
-from kvpatch.policies.contract import DEFAULT_SINKS, LayerInputs, check_ratio, check_sinks
+from kvpatch.policies.contract import (
+    DEFAULT_PROMPT_WINDOW,
+    DEFAULT_SINKS,
+    LayerInputs,
+    check_prompt_window,
+    check_ratio,
+    check_sinks,
+)
 from kvpatch.policies.fitted_maps import HiddenStateMap
 
 
@@ -35,6 +42,12 @@ class KVzap(TokenScorer):
     is kept beside the cache (4 bytes per KV head and token seen) so that the tokens held can be
     ranked again.
 
+    The map scores a prompt's question like any context token (it was fitted to KVzip's
+    reconstruction, which needs few of a context's last tokens), so in a prompt that ``generate``
+    continues from, the last ``prompt_window`` tokens are kept in every layer and head, within
+    the budget, as the authors protect a window of recent tokens; a context compressed for later
+    questions (:func:`kvpatch.prefill`) keeps no such window.
+
     Parameters
     ----------
     ratio : float, default 0.5
@@ -42,17 +55,23 @@ class KVzap(TokenScorer):
     path : str or None, default None
         The fitted map's file; None: the model's default (``<kvpatch cache>/scorers/``).
     n_sink : int, default 4
-        Leading real tokens always kept (the paper keeps a window instead; 0 keeps none).
+        Leading real tokens always kept (0 keeps none).
+    prompt_window : int, default 64
+        Last tokens of a prompt that ``generate`` continues from, always kept (see above); 0
+        keeps none. On SmolLM2-135M with the question in the prompt, ``global-kvzap`` answers
+        1.00 of the needles at r = 0.75 with it, 0.30 without (docs/results.md).
     """
 
     ratio: float = 0.5
     path: str | None = None
     n_sink: int = DEFAULT_SINKS
+    prompt_window: int = DEFAULT_PROMPT_WINDOW
     name = "kvzap"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
         check_sinks("KVzap", self.n_sink)
+        check_prompt_window("KVzap", self.prompt_window)
         self.map: HiddenStateMap | None = None  # set when the policy meets its model
         self.model_key: str | None = None  # which model the map was checked against
 

@@ -9,6 +9,7 @@ import torch
 
 from kvpatch.policies.base import TokenScorer
 from kvpatch.policies.contract import (
+    DEFAULT_PROMPT_WINDOW,
     DEFAULT_SINKS,
     LayerInputs,
     check_ratio,
@@ -95,7 +96,7 @@ class KVzip(TokenScorer):
     n_sink: int = DEFAULT_SINKS
     overlap: int = 8
     normalise: str = "context"
-    prompt_window: int = 64
+    prompt_window: int = DEFAULT_PROMPT_WINDOW
     span_before: int = 8
     span_after: int = 0
     name = "kvzip"
