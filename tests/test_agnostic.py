@@ -281,8 +281,8 @@ def test_generate_reconstructs_the_prompt(policy):
 
 
 def prefilled_by_generate(policy: str, ids: torch.Tensor) -> int:
-    """The prompt tokens ``generate`` compresses in its prefill: a reconstruction's prefill
-    leaves the last one to the first decode step (as a stock prefill of ``generate`` would not)."""
+    """The prompt tokens ``generate`` compresses in its prefill: all of them, but under a
+    reconstruction (KVzip), whose prefill leaves the last one to the first decode step."""
     return ids.shape[1] - (reconstruction_of(parse_policy(policy)) is not None)
 
 

@@ -42,8 +42,8 @@ class KVzap(TokenScorer):
     is kept beside the cache (4 bytes per KV head and token seen) so that the tokens held can be
     ranked again.
 
-    The map scores a prompt's question like any context token (it was fitted to KVzip's
-    reconstruction, which needs few of a context's last tokens), so in a prompt that ``generate``
+    The map scores a prompt's question like any context token (it learnt KVzip+'s scores, whose
+    reconstruction needs few of a context's last tokens), so in a prompt that ``generate``
     continues from, the last ``prompt_window`` tokens are kept in every layer and head, within
     the budget, as the authors protect a window of recent tokens; a context compressed for later
     questions (:func:`kvpatch.prefill`) keeps no such window.
