@@ -27,22 +27,18 @@ DEFAULT_SINKS = 4
 DEFAULT_PROMPT_WINDOW = 64
 
 
+def check_token_count(owner: str, name: str, count: int, kept: str) -> None:
+    """Reject a setting ``name`` that counts tokens always ``kept`` and is not a non-negative
+    integer."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(
+            f"{owner} needs an integer {name} >= 0 ({kept}; 0 keeps none), got {count!r}"
+        )
+
+
 def check_sinks(owner: str, n_sink: int) -> None:
     """Reject a sink count that is not a non-negative integer."""
-    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
-        raise ValueError(
-            f"{owner} needs an integer n_sink >= 0 (leading tokens always kept; 0 keeps none), "
-            f"got {n_sink!r}"
-        )
-
-
-def check_prompt_window(owner: str, prompt_window: int) -> None:
-    """Reject a prompt window that is not a non-negative integer."""
-    if isinstance(prompt_window, bool) or not isinstance(prompt_window, int) or prompt_window < 0:
-        raise ValueError(
-            f"{owner} needs an integer prompt_window >= 0 (last prompt tokens always kept; 0 "
-            f"keeps none), got {prompt_window!r}"
-        )
+    check_token_count(owner, "n_sink", n_sink, "leading tokens always kept")
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> None:

@@ -22,9 +22,9 @@ from kvpatch.policies.contract import (
     DEFAULT_PROMPT_WINDOW,
     DEFAULT_SINKS,
     LayerInputs,
-    check_prompt_window,
     check_ratio,
     check_sinks,
+    check_token_count,
 )
 from kvpatch.policies.fitted_maps import HiddenStateMap
 
@@ -71,7 +71,9 @@ class KVzap(TokenScorer):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
         check_sinks("KVzap", self.n_sink)
-        check_prompt_window("KVzap", self.prompt_window)
+        check_token_count(
+            "KVzap", "prompt_window", self.prompt_window, "last prompt tokens always kept"
+        )
         self.map: HiddenStateMap | None = None  # set when the policy meets its model
         self.model_key: str | None = None  # which model the map was checked against
 
